@@ -1,0 +1,219 @@
+"""Every architecture knob of the family, named once with its default, and the rules that check them.
+
+A variant's YAML file under `configs/` sets only what differs from these defaults; keyword arguments
+given to `timm.create_model` (or train.py's `--model-kwargs`) override the YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+FFN_LAYERS = ("mlp", "swiglu")
+NORMALIZE_COORDS = ("separate", "min", "max")
+STOCHASTIC_DEPTH = ("drop_path", "sample_drop")
+GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "cls_avg", "")
+LAYER_SCALE_OFF = ("off", "none", "false", "0")
+BRANCHES = ("attn", "mlp")
+
+BranchInit = tuple[float | None, float | None]
+
+
+@dataclass
+class VitLsConfig:
+    # Input and tokens
+    img_size: int | tuple[int, int] = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    num_storage_tokens: int = 4
+    dynamic_img_size: bool = True
+    dynamic_img_pad: bool = False  # False: a side that is not a multiple of patch_size is an error
+    # Trunk
+    embed_dim: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    ffn_layer: str = "mlp"  # "mlp" (GELU) or "swiglu"
+    ffn_ratio: float = 4.0
+    swiglu_align_to: int = 8
+    qkv_bias: bool = True
+    mask_k_bias: bool = True  # the k third of the qkv bias is multiplied by a (loaded) mask
+    proj_bias: bool = True
+    ffn_bias: bool = True
+    norm_eps: float = 1e-5
+    # LayerScale: float, 0/"off"/None, "auto", {attn, mlp}, or a per-block list of those
+    init_values: Any = 1e-5
+    # Rotary position embedding
+    rope_base: float = 100.0
+    rope_normalize_coords: str = "separate"
+    rope_periods_bf16: bool = True  # released checkpoints store bf16-rounded periods
+    rope_shift_coords: float | None = None
+    rope_jitter_coords: float | None = None
+    rope_rescale_coords: float | None = None  # Meta's pretraining used 2
+    # Output norms
+    cls_norm: bool = False  # untied norms: `cls_norm` for cls + storage tokens, `norm` for patches
+    local_cls_norm: bool = False  # carried by SAT-L and 7B checkpoints; unused outside local-crop training
+    # Head and regularisation
+    num_classes: int = 1000
+    global_pool: str = "token"
+    drop_rate: float = 0.0
+    proj_drop_rate: float = 0.0
+    attn_drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    stochastic_depth: str = "drop_path"  # timm per-sample DropPath, or DINOv3's batch-subset sample drop
+    # Loading: refuse a checkpoint without gammas instead of setting them to 1
+    strict_layer_scale: bool = False
+    layer_init_values: list[BranchInit] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+        self.layer_init_values = resolve_init_values(self.init_values, self.depth)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> VitLsConfig:
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown config key(s) {', '.join(map(repr, unknown))}; "
+                f"allowed: {', '.join(cls.field_names())}"
+            )
+        return cls(**{k: parse_scalar(v) for k, v in values.items()})
+
+    def replace(self, **overrides: Any) -> VitLsConfig:
+        values = {name: getattr(self, name) for name in self.field_names()}
+        values.update(overrides)
+        return self.from_dict(values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.field_names()}
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return 1 + self.num_storage_tokens
+
+    def validate(self) -> None:
+        for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads", "swiglu_align_to"):
+            _require(name, getattr(self, name), isinstance(getattr(self, name), int) and getattr(self, name) > 0,
+                     "a positive integer")
+        for name in ("num_storage_tokens", "num_classes"):
+            value = getattr(self, name)
+            _require(name, value, isinstance(value, int) and value >= 0, "an integer >= 0")
+        _require("num_heads", self.num_heads, self.embed_dim % self.num_heads == 0,
+                 f"a divisor of embed_dim={self.embed_dim}")
+        _require("num_heads", self.num_heads, self.head_dim % 4 == 0,
+                 f"such that embed_dim / num_heads is a multiple of 4 for RoPE (embed_dim={self.embed_dim})")
+        for name, allowed in (("ffn_layer", FFN_LAYERS), ("rope_normalize_coords", NORMALIZE_COORDS),
+                              ("stochastic_depth", STOCHASTIC_DEPTH), ("global_pool", GLOBAL_POOLS)):
+            _require(name, getattr(self, name), getattr(self, name) in allowed, f"one of {allowed}")
+        for name in ("ffn_ratio", "rope_base", "norm_eps"):
+            _require(name, getattr(self, name), _is_number(getattr(self, name)) and getattr(self, name) > 0,
+                     "a positive number")
+        for name in ("drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
+            value = getattr(self, name)
+            _require(name, value, _is_number(value) and 0 <= value < 1, "a number in [0, 1)")
+        for name in ("rope_shift_coords",):
+            value = getattr(self, name)
+            _require(name, value, value is None or (_is_number(value) and value >= 0), "null or a number >= 0")
+        for name in ("rope_jitter_coords", "rope_rescale_coords"):
+            value = getattr(self, name)
+            _require(name, value, value is None or (_is_number(value) and value >= 1), "null or a number >= 1")
+        for name in ("dynamic_img_size", "dynamic_img_pad", "qkv_bias", "mask_k_bias", "proj_bias", "ffn_bias",
+                     "rope_periods_bf16", "cls_norm", "local_cls_norm", "strict_layer_scale"):
+            _require(name, getattr(self, name), isinstance(getattr(self, name), bool), "true or false")
+        size = self.img_size
+        ok = (isinstance(size, int) and size > 0) or (
+            isinstance(size, Sequence) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size))
+        _require("img_size", size, ok, "a positive integer or a pair of them")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: got {value!r}; allowed: {allowed}")
+
+
+def parse_scalar(value: Any) -> Any:
+    """Strings from the command line (`--model-kwargs init_values=1e-6`) become numbers or booleans."""
+    if not isinstance(value, str):
+        return value
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null"):
+        return None
+    try:
+        return int(lowered)
+    except ValueError:
+        pass
+    try:
+        return float(lowered)
+    except ValueError:
+        return value
+
+
+def cait_init_value(depth: int) -> float:
+    """CaiT's rule (Touvron et al. 2021): deeper networks start closer to identity."""
+    if depth <= 18:
+        return 0.1
+    if depth <= 24:
+        return 1e-5
+    return 1e-6
+
+
+_INIT_VALUES_ALLOWED = (
+    "a positive number, 0 / 'off' / false / null (LayerScale off), 'auto' (CaiT's depth rule), "
+    "a mapping {attn: ..., mlp: ...} of those, or a list with one such entry per block"
+)
+
+
+def _resolve_scalar(value: Any, depth: int, where: str) -> float | None:
+    value = parse_scalar(value)
+    if value is None or value is False:
+        return None
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in LAYER_SCALE_OFF:
+            return None
+        if lowered == "auto":
+            return cait_init_value(depth)
+    elif _is_number(value) and value >= 0:
+        return None if value == 0 else float(value)
+    raise ValueError(f"{where}: got {value!r}; allowed: {_INIT_VALUES_ALLOWED}")
+
+
+def _resolve_branches(value: Any, depth: int, where: str) -> BranchInit:
+    if isinstance(value, Mapping):
+        if set(value) != set(BRANCHES):
+            raise ValueError(f"{where}: got keys {sorted(value)}; allowed: exactly {list(BRANCHES)}")
+        return tuple(_resolve_scalar(value[b], depth, f"{where}.{b}") for b in BRANCHES)
+    scalar = _resolve_scalar(value, depth, where)
+    return scalar, scalar
+
+
+def resolve_init_values(value: Any, depth: int) -> list[BranchInit]:
+    """One (attn, mlp) pair of LayerScale init values per block; `None` means no LayerScale there."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        import yaml
+
+        value = yaml.safe_load(value)
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != depth:
+            raise ValueError(
+                f"init_values: got a list of {len(value)} entries; allowed: exactly depth={depth} entries, "
+                f"one per block"
+            )
+        return [_resolve_branches(v, depth, f"init_values[{i}]") for i, v in enumerate(value)]
+    return [_resolve_branches(value, depth, "init_values")] * depth

@@ -1,0 +1,59 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rope import apply_rope
+
+
+class KMaskedBiasLinear(nn.Linear):
+    """The qkv projection whose bias is multiplied by `bias_mask` (DINOv3's k-bias masking).
+
+    The mask is a buffer loaded from checkpoints: fresh models zero the k third, and the released files
+    carry an all-zero mask, so loading must keep the file's mask rather than regenerate it.
+    """
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=True)
+        self.register_buffer("bias_mask", torch.empty(out_features))
+        self.reset_bias_mask()
+
+    def reset_bias_mask(self) -> None:
+        third = self.out_features // 3
+        self.bias_mask.fill_(1.0)
+        self.bias_mask[third : 2 * third] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias * self.bias_mask.to(self.bias.dtype))
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        mask_k_bias: bool = True,
+        proj_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        if qkv_bias and mask_k_bias:
+            self.qkv = KMaskedBiasLinear(dim, dim * 3)
+        else:
+            self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.attn_drop = attn_drop
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        batch, tokens, dim = x.shape
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        x = x.transpose(1, 2).reshape(batch, tokens, dim)
+        return self.proj_drop(self.proj(x))

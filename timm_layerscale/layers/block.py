@@ -1,0 +1,71 @@
+from collections.abc import Callable
+
+import torch
+from timm.layers import DropPath, Mlp
+from torch import nn
+
+from .attention import Attention
+from .ffn import SwiGLU, swiglu_hidden_features
+from .layer_scale import layer_scale_or_identity
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: `x + ls1(attn(norm1(x)))`, then `x + ls2(mlp(norm2(x)))`.
+
+    Stochastic depth comes in two kinds. "drop_path" zeroes a branch for random samples (timm's
+    DropPath). "sample_drop" (DINOv3) runs the branch on a random subset of the batch only and adds it
+    back scaled by batch / subset, which saves the compute of the dropped samples.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        ffn_layer: str = "mlp",
+        ffn_ratio: float = 4.0,
+        swiglu_align_to: int = 8,
+        qkv_bias: bool = True,
+        mask_k_bias: bool = True,
+        proj_bias: bool = True,
+        ffn_bias: bool = True,
+        init_values: tuple[float | None, float | None] = (1e-5, 1e-5),
+        norm_layer: Callable[[int], nn.Module] = nn.LayerNorm,
+        proj_drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        stochastic_depth: str = "drop_path",
+    ) -> None:
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = Attention(dim, num_heads, qkv_bias, mask_k_bias, proj_bias, attn_drop, proj_drop)
+        self.ls1 = layer_scale_or_identity(dim, init_values[0])
+        self.norm2 = norm_layer(dim)
+        if ffn_layer == "swiglu":
+            hidden = swiglu_hidden_features(dim, ffn_ratio, swiglu_align_to)
+            self.mlp = SwiGLU(dim, hidden, bias=ffn_bias, drop=proj_drop)
+        else:
+            self.mlp = Mlp(dim, int(dim * ffn_ratio), act_layer=nn.GELU, bias=ffn_bias, drop=proj_drop)
+        self.ls2 = layer_scale_or_identity(dim, init_values[1])
+        self.sample_drop_rate = drop_path if stochastic_depth == "sample_drop" else 0.0
+        self.drop_path = DropPath(drop_path) if stochastic_depth == "drop_path" and drop_path > 0 else nn.Identity()
+
+    def _attn_branch(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return self.ls1(self.attn(self.norm1(x), rope))
+
+    def _mlp_branch(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        return self.ls2(self.mlp(self.norm2(x)))
+
+    def _sample_drop(self, x: torch.Tensor, branch: Callable, rope: Rope) -> torch.Tensor:
+        batch = x.shape[0]
+        subset = max(int(batch * (1 - self.sample_drop_rate)), 1)
+        index = torch.randperm(batch, device=x.device)[:subset]
+        return torch.index_add(x, 0, index, branch(x[index], rope).to(x.dtype), alpha=batch / subset)
+
+    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+        if self.training and self.sample_drop_rate > 0:
+            x = self._sample_drop(x, self._attn_branch, rope)
+            return self._sample_drop(x, self._mlp_branch, rope)
+        x = x + self.drop_path(self._attn_branch(x, rope))
+        return x + self.drop_path(self._mlp_branch(x))

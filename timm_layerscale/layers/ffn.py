@@ -1,0 +1,23 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def swiglu_hidden_features(dim: int, ffn_ratio: float, align_to: int) -> int:
+    """DINOv3's sizing: two thirds of the MLP width (parameter parity), rounded up to `align_to`."""
+    hidden = int(int(dim * ffn_ratio) * 2 / 3)
+    return hidden + (-hidden % align_to)
+
+
+class SwiGLU(nn.Module):
+    """`w3(silu(w1 x) * w2 x)`, with Meta's parameter names so their checkpoints load as they are."""
+
+    def __init__(self, dim: int, hidden_features: int, bias: bool = True, drop: float = 0.0) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_features, bias=bias)
+        self.w2 = nn.Linear(dim, hidden_features, bias=bias)
+        self.w3 = nn.Linear(hidden_features, dim, bias=bias)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.w3(F.silu(self.w1(x)) * self.w2(x)))

@@ -1,0 +1,107 @@
+"""Axial rotary position embedding for patch tokens, DINOv3 flavour.
+
+Each head's channels are split in two halves that are rotated against each other ("rotate-half"); the
+angles are the patch centre's y coordinate for the first quarter of frequencies and x for the second,
+both normalised to [-1, 1] over the patch grid.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import NORMALIZE_COORDS
+
+
+def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+class RopeEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        base: float = 100.0,
+        normalize_coords: str = "separate",
+        shift_coords: float | None = None,
+        jitter_coords: float | None = None,
+        rescale_coords: float | None = None,
+        round_periods_to_bf16: bool = True,
+    ) -> None:
+        super().__init__()
+        if head_dim % 4:
+            raise ValueError(f"RoPE needs a head dim divisible by 4, got {head_dim}")
+        if normalize_coords not in NORMALIZE_COORDS:
+            raise ValueError(f"normalize_coords: got {normalize_coords!r}; allowed: {NORMALIZE_COORDS}")
+        self.head_dim = head_dim
+        self.base = base
+        self.normalize_coords = normalize_coords
+        self.shift_coords = shift_coords
+        self.jitter_coords = jitter_coords
+        self.rescale_coords = rescale_coords
+        self.round_periods_to_bf16 = round_periods_to_bf16
+        # Persistent: released checkpoints carry their own (bf16-rounded) periods, which must win.
+        self.register_buffer("periods", torch.empty(head_dim // 4, dtype=torch.float32), persistent=True)
+        self.reset_parameters()
+
+    @property
+    def augments(self) -> bool:
+        """Whether training draws random coordinate changes (then each block gets its own draw)."""
+        return any(v is not None for v in (self.shift_coords, self.jitter_coords, self.rescale_coords))
+
+    def _apply(self, fn, recurse=True):
+        # Periods stay fp32 through model.to(dtype): casting would round a checkpoint's exact periods.
+        periods = self.periods
+        super()._apply(fn, recurse)
+        moved = self.periods
+        self.periods = moved.float() if periods.is_meta else periods.to(moved.device)
+        return self
+
+    def reset_parameters(self) -> None:
+        exponents = torch.arange(self.head_dim // 4, dtype=torch.float32) * 4 / self.head_dim
+        periods = self.base**exponents
+        self.periods.copy_(bf16_rounded(periods) if self.round_periods_to_bf16 else periods)
+
+    def _coords(self, height: int, width: int) -> torch.Tensor:
+        dd = dict(device=self.periods.device, dtype=torch.float32)
+        if self.normalize_coords == "separate":
+            h_den, w_den = height, width
+        else:
+            h_den = w_den = max(height, width) if self.normalize_coords == "max" else min(height, width)
+        coords_h = torch.arange(0.5, height, **dd) / h_den
+        coords_w = torch.arange(0.5, width, **dd) / w_den
+        coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
+        coords = 2.0 * coords - 1.0
+        if self.training:
+            if self.shift_coords is not None:
+                coords = coords + torch.empty(2, **dd).uniform_(-self.shift_coords, self.shift_coords)
+            if self.jitter_coords is not None:
+                log_j = math.log(self.jitter_coords)
+                coords = coords * torch.empty(2, **dd).uniform_(-log_j, log_j).exp()
+            if self.rescale_coords is not None:
+                log_r = math.log(self.rescale_coords)
+                coords = coords * torch.empty(1, **dd).uniform_(-log_r, log_r).exp()
+        return coords
+
+    def forward(self, height: int, width: int, num_prefix_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sin, cos), each [num_prefix_tokens + height * width, head_dim], fp32.
+
+        Prefix tokens get the identity rotation (sin 0, cos 1), so attention can rotate all tokens at once.
+        """
+        angles = 2 * math.pi * self._coords(height, width)[:, :, None] / self.periods.float()[None, None, :]
+        angles = angles.flatten(1, 2).tile(2)
+        prefix = angles.new_zeros(num_prefix_tokens, angles.shape[1])
+        angles = torch.cat([prefix, angles])
+        return angles.sin(), angles.cos()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates in fp32 whatever the activation dtype, as the reference does, then casts back."""
+    sin, cos = rope
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

@@ -1,0 +1,320 @@
+"""The model family: DINOv3-style ViT with LayerScale, RoPE and storage tokens, with timm's model API.
+
+Parameter and buffer names are Meta's, so a Meta DINOv3 state dict is this model's native layout;
+other layouts are converted on load by `timm_layerscale.conversion`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import PatchEmbed, trunc_normal_
+from timm.models._features import feature_take_indices
+from timm.models.vision_transformer import global_pool_nlc
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import VitLsConfig
+from .conversion import install_load_hook
+from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class VisionTransformerLS(nn.Module):
+    """Vision Transformer with LayerScale on both residual branches of every block (DINOv3 layout).
+
+    Build it from a `VitLsConfig`, keyword overrides of its fields, or both. `device` and `dtype` place
+    the parameters at construction (`device="meta"` allocates nothing).
+    """
+
+    def __init__(
+        self,
+        config: VitLsConfig | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **overrides: Any,
+    ) -> None:
+        super().__init__()
+        cfg = (config or VitLsConfig()).replace(**overrides) if overrides else (config or VitLsConfig())
+        self.config = cfg
+        self.num_classes = cfg.num_classes
+        self.global_pool = cfg.global_pool
+        self.num_features = self.embed_dim = cfg.embed_dim
+        self.num_storage_tokens = cfg.num_storage_tokens
+        self.num_prefix_tokens = cfg.num_prefix_tokens
+        self.patch_size = cfg.patch_size
+        self.dynamic_img_size = cfg.dynamic_img_size
+        self.grad_checkpointing = False
+
+        with torch.device(device or "cpu"):
+            self._build(cfg)
+        if dtype is not None:
+            self.to(dtype=dtype)
+        install_load_hook(self)
+        if self.local_cls_norm is not None:
+            # Only Meta's local-crop pretraining uses it: keep it out of the optimiser and of DDP's reducer.
+            self.local_cls_norm.requires_grad_(False)
+
+    def _build(self, cfg: VitLsConfig) -> None:
+        norm_layer = partial(nn.LayerNorm, eps=cfg.norm_eps)
+        dim = cfg.embed_dim
+        self.patch_embed = PatchEmbed(
+            img_size=cfg.img_size,
+            patch_size=cfg.patch_size,
+            in_chans=cfg.in_chans,
+            embed_dim=dim,
+            output_fmt="NHWC",
+            flatten=False,
+            strict_img_size=not cfg.dynamic_img_size,
+            dynamic_img_pad=cfg.dynamic_img_pad,
+        )
+        self.cls_token = nn.Parameter(torch.empty(1, 1, dim))
+        self.storage_tokens = nn.Parameter(torch.empty(1, cfg.num_storage_tokens, dim))
+        self.mask_token = nn.Parameter(torch.empty(1, dim))
+        self.rope_embed = RopeEmbedding(
+            cfg.head_dim,
+            base=cfg.rope_base,
+            normalize_coords=cfg.rope_normalize_coords,
+            shift_coords=cfg.rope_shift_coords,
+            jitter_coords=cfg.rope_jitter_coords,
+            rescale_coords=cfg.rope_rescale_coords,
+            round_periods_to_bf16=cfg.rope_periods_bf16,
+        )
+        if cfg.stochastic_depth == "drop_path":
+            rates = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
+        else:
+            rates = [cfg.drop_path_rate] * cfg.depth
+        self.blocks = nn.ModuleList(
+            Block(
+                dim,
+                cfg.num_heads,
+                ffn_layer=cfg.ffn_layer,
+                ffn_ratio=cfg.ffn_ratio,
+                swiglu_align_to=cfg.swiglu_align_to,
+                qkv_bias=cfg.qkv_bias,
+                mask_k_bias=cfg.mask_k_bias,
+                proj_bias=cfg.proj_bias,
+                ffn_bias=cfg.ffn_bias,
+                init_values=cfg.layer_init_values[i],
+                norm_layer=norm_layer,
+                proj_drop=cfg.proj_drop_rate,
+                attn_drop=cfg.attn_drop_rate,
+                drop_path=rates[i],
+                stochastic_depth=cfg.stochastic_depth,
+            )
+            for i in range(cfg.depth)
+        )
+        self.feature_info = [
+            dict(module=f"blocks.{i}", num_chs=dim, reduction=cfg.patch_size) for i in range(cfg.depth)
+        ]
+        self.norm = norm_layer(dim)
+        self.cls_norm = norm_layer(dim) if cfg.cls_norm else None
+        self.local_cls_norm = norm_layer(dim) if cfg.local_cls_norm else None
+        self.head_drop = nn.Dropout(cfg.drop_rate)
+        self.head = self._make_head(cfg.num_classes, cfg.global_pool)
+        if self.cls_token.device.type != "meta":
+            self.init_weights()
+
+    # ----------------------------------------------------------------------------------------------- init
+
+    def init_weights(self) -> None:
+        """DINOv3's initialisation; LayerScale gammas come out equal to their `init_values`."""
+        nn.init.normal_(self.cls_token, std=0.02)
+        nn.init.normal_(self.storage_tokens, std=0.02)
+        nn.init.zeros_(self.mask_token)
+        self.rope_embed.reset_parameters()
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+                if isinstance(module, KMaskedBiasLinear):
+                    module.reset_bias_mask()
+            elif isinstance(module, (nn.LayerNorm, LayerScale, nn.Conv2d)):
+                module.reset_parameters()
+
+    reset_parameters = init_weights
+
+    # ---------------------------------------------------------------------------------------- timm API
+
+    @property
+    def head_hidden_size(self) -> int:
+        return self.embed_dim * 2 if self.global_pool == "cls_avg" else self.embed_dim
+
+    def _make_head(self, num_classes: int, global_pool: str) -> nn.Module:
+        in_features = self.embed_dim * 2 if global_pool == "cls_avg" else self.embed_dim
+        return nn.Linear(in_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"cls_token", "storage_tokens", "mask_token"}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        return dict(
+            stem=r"^cls_token|^storage_tokens|^mask_token|^patch_embed|^rope_embed",
+            blocks=[(r"^blocks\.(\d+)", None), (r"^norm|^cls_norm|^local_cls_norm", (99999,))],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        global_pool = self.global_pool if global_pool is None else global_pool
+        self.config = self.config.replace(num_classes=num_classes, global_pool=global_pool)  # validates
+        self.global_pool = global_pool
+        self.num_classes = num_classes
+        device = self.cls_token.device
+        with torch.device(device):
+            self.head = self._make_head(num_classes, self.global_pool).to(dtype=self.cls_token.dtype)
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def _patch_grid(self, height: int, width: int) -> tuple[int, int]:
+        p = self.patch_size
+        if self.patch_embed.dynamic_img_pad:
+            return -(-height // p), -(-width // p)
+        if height % p or width % p:
+            raise ValueError(
+                f"input size {height}x{width} is not a multiple of the patch size {p}: resize or crop it to "
+                f"{height // p * p}x{width // p * p}, or build the model with dynamic_img_pad=True to pad"
+            )
+        return height // p, width // p
+
+    def prepare_tokens(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        """`[cls, storage x N, patches]`; masked patches are replaced by `mask_token`."""
+        x = self.patch_embed(x).flatten(1, 2)
+        if masks is not None:
+            x = torch.where(masks.unsqueeze(-1), self.mask_token.to(x.dtype).unsqueeze(0), x)
+            cls_token = self.cls_token
+        else:
+            # Keeps mask_token in the graph, so DDP without find_unused_parameters accepts it.
+            cls_token = self.cls_token + 0 * self.mask_token
+        batch = x.shape[0]
+        prefix = torch.cat([cls_token, self.storage_tokens], dim=1).to(x.dtype)
+        return torch.cat([prefix.expand(batch, -1, -1), x], dim=1)
+
+    def _rope_per_block(self, grid: tuple[int, int]) -> list[Rope]:
+        """Coordinate augmentation draws anew for every block in training, as in DINOv3 pretraining."""
+        if self.training and self.rope_embed.augments:
+            return [self.rope_embed(*grid, self.num_prefix_tokens) for _ in self.blocks]
+        return [self.rope_embed(*grid, self.num_prefix_tokens)] * len(self.blocks)
+
+    def _run_block(self, block: nn.Module, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        if self.grad_checkpointing and not torch.jit.is_scripting():
+            return checkpoint(block, x, rope, use_reentrant=False)
+        return block(x, rope)
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cls_norm is None:
+            return self.norm(x)
+        prefix = self.num_prefix_tokens
+        return torch.cat([self.cls_norm(x[:, :prefix]), self.norm(x[:, prefix:])], dim=1)
+
+    def forward_features(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        """Normed tokens `[B, 1 + storage + H*W, C]`."""
+        grid = self._patch_grid(*x.shape[-2:])
+        x = self.prepare_tokens(x, masks)
+        for block, rope in zip(self.blocks, self._rope_per_block(grid)):
+            x = self._run_block(block, x, rope)
+        return self._final_norm(x)
+
+    def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
+        pool_type = self.global_pool if pool_type is None else pool_type
+        if pool_type == "cls_avg":
+            return torch.cat([x[:, 0], x[:, self.num_prefix_tokens :].mean(dim=1)], dim=-1)
+        return global_pool_nlc(x, pool_type=pool_type, num_prefix_tokens=self.num_prefix_tokens)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        x = self.head_drop(self.pool(x))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x, masks))
+
+    # ------------------------------------------------------------------------------------ intermediates
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | Sequence[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> list[Any] | tuple[torch.Tensor, list[Any]]:
+        """timm's contract: block outputs at `indices` (last n if an int), optionally normed."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt: got {output_fmt!r}; allowed: 'NCHW' or 'NLC'")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        batch = x.shape[0]
+        grid = self._patch_grid(*x.shape[-2:])
+        x = self.prepare_tokens(x)
+        blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
+        intermediates = []
+        for i, (block, rope) in enumerate(zip(blocks, self._rope_per_block(grid))):
+            x = self._run_block(block, x, rope)
+            if i in take_indices:
+                intermediates.append(self._final_norm(x) if norm else x)
+        prefix = self.num_prefix_tokens
+        prefix_tokens = [y[:, :prefix] for y in intermediates]
+        intermediates = [y[:, prefix:] for y in intermediates]
+        if output_fmt == "NCHW":
+            intermediates = [y.reshape(batch, *grid, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if return_prefix_tokens:
+            intermediates = list(zip(intermediates, prefix_tokens))
+        if intermediates_only:
+            return intermediates
+        return self._final_norm(x), intermediates
+
+    def prune_intermediate_layers(
+        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> list[int]:
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+            self.cls_norm = nn.Identity() if self.cls_norm is not None else None
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take_indices
+
+    def get_intermediate_layers(
+        self,
+        x: torch.Tensor,
+        n: int | Sequence[int] = 1,
+        reshape: bool = False,
+        return_class_token: bool = False,
+        return_extra_tokens: bool = False,
+        norm: bool = True,
+    ) -> tuple[Any, ...]:
+        """Meta's DINOv3 method: patch tokens of the last `n` blocks (or of the listed blocks)."""
+        outputs = self.forward_intermediates(
+            x,
+            indices=n,
+            return_prefix_tokens=True,
+            norm=norm,
+            stop_early=True,
+            output_fmt="NCHW" if reshape else "NLC",
+            intermediates_only=True,
+        )
+        result = []
+        for patches, prefix in outputs:
+            item = (patches,)
+            if return_class_token:
+                item += (prefix[:, 0],)
+            if return_extra_tokens:
+                item += (prefix[:, 1:],)
+            result.append(item if len(item) > 1 else patches)
+        return tuple(result)

@@ -1,0 +1,167 @@
+"""name -> config -> model: variants are YAML files, registered with timm at import.
+
+Each file under `configs/` names a variant (its file name), its architecture (`model:`, the fields of
+`VitLsConfig`) and its pretrained weights (`pretrained:`, one entry per timm tag, with timm's pretrained
+config fields and optional `model:` overrides that the tag implies). `register_variant` takes a user's own
+file the same way; `base:` starts from a registered variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._pretrained import PretrainedCfg
+
+from .config import VitLsConfig
+from .conversion import CheckpointError, checkpoint_filter_fn
+from .model import VisionTransformerLS
+
+__all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
+
+# Read by timm's `register_model`, so each variant's cfgs must be here before it is registered.
+default_cfgs: dict[str, Any] = {}
+VARIANTS: dict[str, Variant] = {}
+
+TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
+TAG_CFG_KEYS = tuple(f.name for f in fields(PretrainedCfg)) + ("model",)
+FEATURE_BLOCKS = 4  # features_only returns the last four blocks unless out_indices says otherwise
+
+
+def config_dir() -> Path:
+    """The shipped YAML files: inside the installed package, or at the top of a source checkout."""
+    installed = Path(__file__).with_name("configs")
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    description: str
+    model_args: dict[str, Any]
+    tags: dict[str, dict[str, Any]]
+    source: str
+
+    @property
+    def config(self) -> VitLsConfig:
+        return VitLsConfig.from_dict(self.model_args, source=self.source)
+
+    def tag_model_args(self, tag: str | None) -> dict[str, Any]:
+        return dict(self.tags.get(tag or "", {}).get("model", {}))
+
+
+def _pretrained_cfg(**overrides: Any) -> dict[str, Any]:
+    return {
+        "url": "",
+        "num_classes": 0,
+        "input_size": (3, 256, 256),
+        "pool_size": None,
+        "crop_pct": 1.0,
+        "interpolation": "bicubic",
+        "fixed_input_size": False,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        "license": "dinov3-license",
+        **overrides,
+    }
+
+
+def load_variant(source: str | Path | dict[str, Any], name: str | None = None) -> Variant:
+    """Reads and checks a variant: a YAML path or an already parsed mapping (then `name` is required)."""
+    if isinstance(source, dict):
+        data, where = source, f"variant {name!r}"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"variant file {path} does not exist; pass the path of a YAML variant file")
+        data, where, name = yaml.safe_load(path.read_text()) or {}, str(path), name or path.stem
+    if not name or not isinstance(data, dict):
+        raise ValueError(f"{where}: a variant needs a name and a mapping with keys {TOP_LEVEL_KEYS}")
+    unknown = sorted(set(data) - set(TOP_LEVEL_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(TOP_LEVEL_KEYS)}")
+    model_args, tags = {}, {}
+    if data.get("base"):
+        if data["base"] not in VARIANTS:
+            raise ValueError(f"{where}: base {data['base']!r} is not a registered variant; one of {sorted(VARIANTS)}")
+        base = VARIANTS[data["base"]]
+        model_args, tags = dict(base.model_args), dict(base.tags)
+    model_args.update(data.get("model") or {})
+    if "pretrained" in data:
+        tags = dict(data.get("pretrained") or {})
+    for tag, cfg in tags.items():
+        bad = sorted(set(cfg or {}) - set(TAG_CFG_KEYS))
+        if bad:
+            raise ValueError(f"{where}: pretrained.{tag}: unknown key(s) {bad}; allowed: {list(TAG_CFG_KEYS)}")
+    variant = Variant(name, data.get("description", ""), model_args, tags, where)
+    for tag in ("", *tags):  # every tag's architecture must be valid now, not at first use
+        VitLsConfig.from_dict({**model_args, **variant.tag_model_args(tag)}, source=where)
+    return variant
+
+
+def _requested_tag(variant: Variant, pretrained_cfg: Any) -> str | None:
+    if isinstance(pretrained_cfg, str):
+        return pretrained_cfg
+    if isinstance(pretrained_cfg, PretrainedCfg):
+        return pretrained_cfg.tag
+    if isinstance(pretrained_cfg, dict):
+        return pretrained_cfg.get("tag")
+    return next(iter(variant.tags), None)
+
+
+def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
+    path = Path(overlay["file"]) if overlay and overlay.get("file") else None
+    if path is None or path.is_file():
+        return
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder, not a checkpoint file (a sharded training checkpoint?); consolidate it "
+            f"into one state-dict file first (torch.distributed.checkpoint.format_utils.dcp_to_torch_save) "
+            f"and pass that file"
+        )
+    raise CheckpointError(f"checkpoint file {path} does not exist; pass the path of a .safetensors or .pth file")
+
+
+def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
+    """Builds a variant through timm's builder: the YAML's arguments, the tag's, then the caller's."""
+    tag = _requested_tag(variant, kwargs.get("pretrained_cfg"))
+    if pretrained:
+        _check_pretrained_file(kwargs.get("pretrained_cfg_overlay"))
+    model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
+    return build_model_with_cfg(
+        VisionTransformerLS,
+        variant.name,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(feature_cls="getter", out_indices=FEATURE_BLOCKS),
+        **model_kwargs,
+    )
+
+
+def register_variant(source: str | Path | dict[str, Any], name: str | None = None) -> str:
+    """Registers a variant with timm (`timm.create_model(name)` then works); returns its name."""
+    variant = load_variant(source, name)
+    cfgs = {f"{variant.name}.{tag}": _pretrained_cfg(**{k: v for k, v in (cfg or {}).items() if k != "model"})
+            for tag, cfg in variant.tags.items()}
+    default_cfgs.update(generate_default_cfgs(cfgs or {variant.name: _pretrained_cfg()}))
+
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
+        return create_variant(variant, pretrained, **kwargs)
+
+    entrypoint.__name__ = entrypoint.__qualname__ = variant.name
+    entrypoint.__module__ = __name__
+    entrypoint.__doc__ = variant.description
+    VARIANTS[variant.name] = variant
+    register_model(entrypoint)
+    return variant.name
+
+
+def register_builtin_variants() -> None:
+    for path in sorted(config_dir().glob("*.yaml")):
+        register_variant(path)
