@@ -83,7 +83,12 @@ class VitLsConfig:
                 f"{source}: unknown config key(s) {', '.join(map(repr, unknown))}; "
                 f"allowed: {', '.join(cls.field_names())}"
             )
-        return cls(**{k: parse_scalar(v) for k, v in values.items()})
+        try:
+            return cls(**{k: parse_scalar(v) for k, v in values.items()})
+        except ValueError as error:
+            if source == "config":
+                raise
+            raise ValueError(f"{source}: {error}") from None
 
     def replace(self, **overrides: Any) -> VitLsConfig:
         values = {name: getattr(self, name) for name in self.field_names()}

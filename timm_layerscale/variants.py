@@ -147,8 +147,12 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
 def register_variant(source: str | Path | dict[str, Any], name: str | None = None) -> str:
     """Registers a variant with timm (`timm.create_model(name)` then works); returns its name."""
     variant = load_variant(source, name)
-    cfgs = {f"{variant.name}.{tag}": _pretrained_cfg(**{k: v for k, v in (cfg or {}).items() if k != "model"})
-            for tag, cfg in variant.tags.items()}
+    cfgs = {
+        f"{variant.name}.{tag}": _pretrained_cfg(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in (cfg or {}).items() if k != "model"}
+        )
+        for tag, cfg in variant.tags.items()
+    }
     default_cfgs.update(generate_default_cfgs(cfgs or {variant.name: _pretrained_cfg()}))
 
     def entrypoint(pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:

@@ -1,0 +1,172 @@
+import argparse
+import math
+
+import pytest
+import timm
+import torch
+from timm.utils.misc import ParseKwargs
+
+import timm_layerscale
+from timm_layerscale import VitLsConfig, cait_init_value, resolve_init_values
+from timm_layerscale.layers import LayerScale
+
+
+def gammas(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict().items() if k.endswith(".gamma")}
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1e-6, (1e-6, 1e-6)),
+        ("1e-6", (1e-6, 1e-6)),
+        (0, (None, None)),
+        (False, (None, None)),
+        ("off", (None, None)),
+        (None, (None, None)),
+        ({"attn": 1e-4, "mlp": "off"}, (1e-4, None)),
+    ],
+)
+def test_init_value_forms(value, expected):
+    assert resolve_init_values(value, depth=3) == [expected] * 3
+
+
+def test_per_block_list_and_auto():
+    assert resolve_init_values([0.1, "off", {"attn": 1e-5, "mlp": 1e-6}], depth=3) == [
+        (0.1, 0.1), (None, None), (1e-5, 1e-6)
+    ]
+    assert [cait_init_value(d) for d in (12, 18, 24, 40)] == [0.1, 0.1, 1e-5, 1e-6]
+    assert resolve_init_values("auto", depth=40) == [(1e-6, 1e-6)] * 40
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (-1.0, "init_values: got -1.0"),
+        (math.nan, "init_values: got nan"),
+        ("loud", "init_values: got 'loud'"),
+        (True, "init_values: got True"),
+        ([1e-5], "init_values: got a list of 1 entries; allowed: exactly depth=2"),
+        ({"attn": 1e-5}, "init_values: got keys ['attn']; allowed: exactly ['attn', 'mlp']"),
+        ([1e-5, {"attn": -2, "mlp": 1}], "init_values[1].attn: got -2"),
+    ],
+)
+def test_bad_init_values_name_key_value_and_allowed(value, message):
+    with pytest.raises(ValueError, match="allowed") as info:
+        VitLsConfig(depth=2, embed_dim=64, num_heads=4, init_values=value)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"ffn_layer": "geglu"}, "ffn_layer: got 'geglu'; allowed: one of"),
+        ({"num_heads": 5}, "num_heads: got 5; allowed: a divisor of embed_dim=64"),
+        ({"drop_path_rate": 1.5}, "drop_path_rate: got 1.5"),
+        ({"global_pool": "mean"}, "global_pool: got 'mean'"),
+        ({"stochastic_depth": "layer"}, "stochastic_depth: got 'layer'"),
+        ({"rope_rescale_coords": 0.5}, "rope_rescale_coords: got 0.5"),
+    ],
+)
+def test_bad_config_values(overrides, message):
+    with pytest.raises(ValueError) as info:
+        timm.create_model("vit_ls_small_patch16_dinov3", **{"embed_dim": 64, "num_heads": 4, "depth": 2, **overrides})
+    assert message in str(info.value)
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'layerscale'; allowed: img_size"):
+        timm.create_model("vit_ls_small_patch16_dinov3", layerscale=1e-6)
+
+
+def test_fresh_gammas_equal_init_values_per_branch_and_block():
+    per_block = [0.1, {"attn": 1e-4, "mlp": 1e-6}, "off"]
+    model = timm.create_model("vit_ls_small_patch16_dinov3", init_values=per_block, embed_dim=64, num_heads=4, depth=3)
+    expected = {"blocks.0.ls1.gamma": 0.1, "blocks.0.ls2.gamma": 0.1, "blocks.1.ls1.gamma": 1e-4,
+                "blocks.1.ls2.gamma": 1e-6}
+    found = gammas(model)
+    assert set(found) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(found[key], torch.full((64,), value)), key
+
+
+def test_gammas_survive_reset_and_model_init():
+    model = timm.create_model("vit_ls_small_patch16_dinov3", init_values={"attn": 1e-4, "mlp": 1e-6}, depth=2)
+    with torch.no_grad():
+        for g in gammas(model).values():
+            g.fill_(3.0)
+    for module in model.modules():
+        if isinstance(module, LayerScale):
+            module.reset_parameters()
+    assert all(torch.equal(g, torch.full_like(g, v)) for g, v in zip(gammas(model).values(), [1e-4, 1e-6] * 2))
+    with torch.no_grad():
+        for g in gammas(model).values():
+            g.fill_(3.0)
+    model.init_weights()
+    assert all(torch.equal(g, torch.full_like(g, v)) for g, v in zip(gammas(model).values(), [1e-4, 1e-6] * 2))
+
+
+@pytest.mark.parametrize("off", [0, False, "off", "0"])
+def test_layer_scale_off_removes_gammas(off):
+    model = timm.create_model("vit_ls_small_patch16_dinov3", init_values=off, depth=2)
+    assert not gammas(model)
+    assert all(isinstance(b.ls1, torch.nn.Identity) and isinstance(b.ls2, torch.nn.Identity) for b in model.blocks)
+
+
+def test_create_model_drops_none_so_variant_default_stays():
+    """timm.create_model prunes None kwargs: init_values=None cannot switch LayerScale off (use 0 or 'off')."""
+    model = timm.create_model("vit_ls_small_patch16_dinov3", init_values=None, depth=2)
+    assert model.config.init_values == 1e-5
+    assert len(gammas(model)) == 4
+
+
+def test_train_py_model_kwargs_strings_are_parsed():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-kwargs", nargs="*", default={}, action=ParseKwargs)
+    for text, expected in [("init_values=1e-6", 1e-6), ("init_values=off", None), ("init_values=0", None)]:
+        kwargs = parser.parse_args(["--model-kwargs", text, "depth=2"]).model_kwargs
+        model = timm.create_model("vit_ls_small_patch16_dinov3", **kwargs)
+        assert model.config.layer_init_values == [(expected, expected)] * 2
+    kwargs = parser.parse_args(["--model-kwargs", "init_values={'attn':1e-6,'mlp':'off'}", "depth=2"]).model_kwargs
+    assert timm.create_model("vit_ls_small_patch16_dinov3", **kwargs).config.layer_init_values == [(1e-6, None)] * 2
+
+
+def test_user_yaml_registers_a_new_variant(tmp_path):
+    path = tmp_path / "my_vit_ls_tiny_deep.yaml"
+    path.write_text(
+        "description: a tiny test variant\n"
+        "base: vit_ls_small_patch16_dinov3\n"
+        "model:\n  embed_dim: 64\n  num_heads: 4\n  depth: 20\n  init_values: auto\n"
+    )
+    name = timm_layerscale.register_variant(path)
+    assert name == "my_vit_ls_tiny_deep" and name in timm.list_models("my_vit_ls_*")
+    model = timm.create_model(name)
+    assert model.config.layer_init_values == [(1e-5, 1e-5)] * 20
+    assert timm.create_model(name, init_values=0.5).config.layer_init_values[0] == (0.5, 0.5)
+    assert "my_vit_ls_tiny_deep.lvd1689m" in timm.list_pretrained("my_vit_ls_*")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("modle:\n  depth: 2\n", "unknown key(s) ['modle']"),
+        ("model:\n  depth: -2\n", "depth: got -2"),
+        ("model:\n  init_values: lots\n", "init_values: got 'lots'"),
+        ("pretrained:\n  x:\n    hub: a/b\n", "pretrained.x: unknown key(s) ['hub']"),
+    ],
+)
+def test_bad_yaml_is_refused_at_registration(tmp_path, text, message):
+    path = tmp_path / "broken_variant.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        timm_layerscale.register_variant(path)
+    assert message in str(info.value) and str(path) in str(info.value)
+    assert "broken_variant" not in timm.list_models("broken_*")
+
+
+def test_shipped_yaml_is_the_single_source_of_truth():
+    for name, variant in timm_layerscale.VARIANTS.items():
+        assert variant.source.endswith(f"{name}.yaml")
+        model = timm.create_model(name, device="meta")
+        for key, value in variant.model_args.items():
+            assert getattr(model.config, key) == value, (name, key)

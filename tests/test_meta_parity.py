@@ -1,0 +1,105 @@
+"""Exactness against Meta's own DinoVisionTransformer, through outputs recorded once (tests/fixtures)."""
+
+import json
+
+import pytest
+import timm
+import torch
+from conftest import FIXTURES, max_diff
+from safetensors.torch import load_file
+
+CONFIGS = json.loads((FIXTURES / "meta_configs.json").read_text())["models"]
+
+
+def build_from_meta_file(name: str, **kwargs):
+    meta = CONFIGS[name]
+    variant = "vit_ls_small_plus_patch16_dinov3" if meta["ffn_layer"] == "swiglu" else "vit_ls_small_patch16_dinov3"
+    return timm.create_model(
+        variant,
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(FIXTURES / f"{name}.safetensors")),
+        embed_dim=meta["embed_dim"],
+        depth=meta["depth"],
+        num_heads=meta["num_heads"],
+        ffn_ratio=meta["ffn_ratio"],
+        qkv_bias=meta["qkv_bias"],
+        cls_norm=meta["untie_cls_and_patch_norms"],
+        local_cls_norm=meta["untie_global_and_local_cls_norm"],
+        **kwargs,
+    ).eval()
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def meta_case(request):
+    name = request.param
+    return build_from_meta_file(name), load_file(FIXTURES / f"{name}_outputs.safetensors"), name
+
+
+@torch.no_grad()
+def test_forward_matches_meta(meta_case):
+    model, out, _ = meta_case
+    x = out["input"]
+    tokens = model.forward_features(x)
+    assert max_diff(model(x), out["forward"]) <= 1e-5
+    assert max_diff(tokens[:, 0], out["x_norm_clstoken"]) <= 1e-5
+    assert max_diff(tokens[:, 1:5], out["x_storage_tokens"]) <= 1e-5
+    assert max_diff(tokens[:, 5:], out["x_norm_patchtokens"]) <= 1e-5
+
+
+@torch.no_grad()
+def test_masked_tokens_match_meta(meta_case):
+    model, out, _ = meta_case
+    tokens = model.forward_features(out["input"], masks=out["masks"].bool())
+    assert max_diff(tokens[:, 0], out["masked_x_norm_clstoken"]) <= 1e-5
+    assert max_diff(tokens[:, 5:], out["masked_x_norm_patchtokens"]) <= 1e-5
+
+
+@torch.no_grad()
+def test_get_intermediate_layers_matches_meta(meta_case):
+    model, out, _ = meta_case
+    normed = model.get_intermediate_layers(
+        out["input"], n=2, reshape=True, return_class_token=True, return_extra_tokens=True
+    )
+    for i, (patch, cls, extra) in enumerate(normed):
+        assert max_diff(patch, out[f"gil_norm_{i}_patch"]) <= 1e-5
+        assert max_diff(cls, out[f"gil_norm_{i}_cls"]) <= 1e-5
+        assert max_diff(extra, out[f"gil_norm_{i}_extra"]) <= 1e-5
+    raw = model.get_intermediate_layers(out["input"], n=[0, 1], norm=False)
+    for i, patch in enumerate(raw):
+        assert max_diff(patch, out[f"gil_raw_{i}"]) <= 1e-5
+
+
+def test_meta_layout_is_native_and_round_trips(meta_case):
+    model, _, name = meta_case
+    meta_sd = load_file(FIXTURES / f"{name}.safetensors")
+    ours = model.state_dict()
+    assert set(ours) == set(meta_sd)
+    for key, value in meta_sd.items():
+        assert torch.equal(ours[key], value), key
+
+
+@torch.no_grad()
+def test_loaded_bias_mask_is_kept_not_regenerated():
+    model = build_from_meta_file("meta_mlp")
+    masks = [b.attn.qkv.bias_mask for b in model.blocks]
+    stored = load_file(FIXTURES / "meta_mlp.safetensors")
+    for i, mask in enumerate(masks):
+        assert torch.equal(mask, stored[f"blocks.{i}.attn.qkv.bias_mask"])
+    # Released checkpoints carry an all-zero mask: loading it must switch every qkv bias off.
+    stored = {k: (torch.zeros_like(v) if k.endswith("bias_mask") else v) for k, v in stored.items()}
+    model.load_state_dict(stored)
+    assert all(not b.attn.qkv.bias_mask.any() for b in model.blocks)
+    x = torch.randn(1, 3, 32, 32)
+    with_mask = model(x)
+    for block in model.blocks:
+        block.attn.qkv.bias.zero_()
+    assert max_diff(with_mask, model(x)) == 0.0
+
+
+def test_checkpoint_periods_replace_defaults():
+    model = build_from_meta_file("meta_mlp")
+    stored = load_file(FIXTURES / "meta_mlp.safetensors")["rope_embed.periods"]
+    assert torch.equal(model.rope_embed.periods, stored)
+    assert model.rope_embed.periods.dtype == torch.float32
+    model.to(torch.bfloat16)
+    assert model.rope_embed.periods.dtype == torch.float32

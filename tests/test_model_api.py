@@ -1,0 +1,225 @@
+import pytest
+import timm
+from timm.models._manipulate import group_parameters
+import torch
+from conftest import TINY, max_diff, move_off_init_
+
+from timm_layerscale import VisionTransformerLS
+
+# Meta's published parameter counts (millions), mask token and qkv biases included.
+PARAMS_M = {
+    "vit_ls_small_patch16_dinov3": 21.60,
+    "vit_ls_small_plus_patch16_dinov3": 28.70,
+    "vit_ls_base_patch16_dinov3": 85.67,
+    "vit_ls_large_patch16_dinov3": 303.15,
+    "vit_ls_huge_plus_patch16_dinov3": 840.63,
+    "vit_ls_7b_patch16_dinov3": 6716.04,
+}
+TAGS = {
+    "vit_ls_small_patch16_dinov3": ["lvd1689m"],
+    "vit_ls_small_plus_patch16_dinov3": ["lvd1689m"],
+    "vit_ls_base_patch16_dinov3": ["lvd1689m"],
+    "vit_ls_large_patch16_dinov3": ["lvd1689m", "sat493m"],
+    "vit_ls_large_plus_patch16_dinov3": [],
+    "vit_ls_huge_plus_patch16_dinov3": ["lvd1689m"],
+    "vit_ls_7b_patch16_dinov3": ["lvd1689m", "sat493m"],
+}
+
+
+def tiny(name="vit_ls_small_patch16_dinov3", **kwargs):
+    torch.manual_seed(0)
+    return move_off_init_(timm.create_model(name, **{**TINY, **kwargs})).eval()
+
+
+def test_registration_and_tags():
+    assert sorted(timm.list_models("vit_ls_*")) == sorted(TAGS)
+    pretrained = set(timm.list_pretrained("vit_ls_*"))
+    assert pretrained == {f"{name}.{tag}" for name, tags in TAGS.items() for tag in tags}
+    for name in pretrained:
+        cfg = timm.models.get_pretrained_cfg(name)
+        assert cfg.hf_hub_id.startswith("timm/vit_") and cfg.hf_hub_id.endswith(name.split(".")[1])
+    assert timm.models.get_pretrained_cfg("vit_ls_7b_patch16_dinov3.sat493m").mean == (0.430, 0.411, 0.296)
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS_M))
+def test_parameter_counts_match_meta(name):
+    model = timm.create_model(name, device="meta")
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 2) == PARAMS_M[name]
+
+
+def test_tags_set_local_cls_norm():
+    assert timm.create_model("vit_ls_large_patch16_dinov3.lvd1689m", device="meta").local_cls_norm is None
+    assert timm.create_model("vit_ls_large_patch16_dinov3.sat493m", device="meta").local_cls_norm is not None
+    assert timm.create_model("vit_ls_7b_patch16_dinov3.lvd1689m", device="meta").local_cls_norm is not None
+
+
+def test_7b_on_meta_device_has_meta_shapes():
+    model = timm.create_model("vit_ls_7b_patch16_dinov3", device="meta", dtype=torch.bfloat16)
+    sd = model.state_dict()
+    assert sd["blocks.39.mlp.w1.weight"].shape == (8192, 4096)  # int(4096 * 3 * 2 / 3) aligned to 64
+    assert sd["blocks.0.ls1.gamma"].dtype == torch.bfloat16 and sd["blocks.0.ls1.gamma"].is_meta
+    assert sd["rope_embed.periods"].dtype == torch.float32
+    assert "blocks.0.attn.qkv.bias" not in sd and "local_cls_norm.weight" in sd
+    out = model.forward_features(torch.empty(1, 3, 64, 64, device="meta", dtype=torch.bfloat16))
+    assert out.shape == (1, 5 + 16, 4096)
+
+
+@pytest.mark.parametrize(
+    ("pool", "width"), [("token", 64), ("avg", 64), ("avgmax", 64), ("max", 64), ("cls_avg", 128), ("", None)]
+)
+@torch.no_grad()
+def test_global_pools(pool, width, images):
+    model = tiny(global_pool=pool, num_classes=7)
+    tokens = model.forward_features(images)
+    pooled = model.forward_head(tokens, pre_logits=True)
+    patches = tokens[:, 5:]
+    expected = {
+        "token": tokens[:, 0],
+        "avg": patches.mean(1),
+        "avgmax": 0.5 * (patches.amax(1) + patches.mean(1)),
+        "max": patches.amax(1),
+        "cls_avg": torch.cat([tokens[:, 0], patches.mean(1)], -1),
+        "": tokens,
+    }[pool]
+    assert torch.equal(pooled, expected)
+    assert model(images).shape == (*expected.shape[:-1], 7)
+    if width:
+        assert model.head_hidden_size == width and model.get_classifier().in_features == width
+
+
+def test_reset_classifier_and_timm_api():
+    model = tiny(num_classes=5)
+    model.reset_classifier(3, "cls_avg")
+    assert model.head.in_features == 128 and model.head.out_features == 3 and model.num_classes == 3
+    model.reset_classifier(0)
+    assert isinstance(model.get_classifier(), torch.nn.Identity) and model.global_pool == "cls_avg"
+    with pytest.raises(ValueError, match="global_pool: got 'mean'"):
+        model.reset_classifier(2, "mean")
+    assert model.num_prefix_tokens == 5
+    assert model.no_weight_decay() == {"cls_token", "storage_tokens", "mask_token"}
+    layers = group_parameters(tiny(), model.group_matcher(), reverse=True)  # layer-wise lr decay's map
+    assert layers["cls_token"] == layers["storage_tokens"] == layers["patch_embed.proj.weight"] == 0
+    assert layers["blocks.0.ls1.gamma"] == 1 and layers["blocks.1.ls2.gamma"] == 2 and layers["norm.weight"] == 2
+
+
+@torch.no_grad()
+def test_forward_intermediates_contract_and_meta_method(images):
+    model = tiny()
+    final, inter = model.forward_intermediates(images, indices=2, norm=True, return_prefix_tokens=True)
+    assert max_diff(final, model.forward_features(images)) == 0
+    assert [t.shape for t, _ in inter] == [(2, 64, 3, 5)] * 2
+    gil = model.get_intermediate_layers(images, n=2, reshape=True, return_class_token=True, return_extra_tokens=True)
+    for (patch, prefix), (g_patch, g_cls, g_extra) in zip(inter, gil):
+        assert torch.equal(patch, g_patch) and torch.equal(prefix[:, 0], g_cls) and torch.equal(prefix[:, 1:], g_extra)
+    nlc = model.forward_intermediates(images, indices=[0], output_fmt="NLC", intermediates_only=True)
+    assert nlc[0].shape == (2, 15, 64)
+    assert torch.equal(nlc[0], model.get_intermediate_layers(images, n=[0], norm=False)[0])
+    assert max_diff(inter[-1][0].flatten(2).transpose(1, 2), final[:, 5:]) == 0
+
+
+@torch.no_grad()
+def test_features_only_and_pruning(images):
+    model = timm.create_model("vit_ls_small_patch16_dinov3", features_only=True, out_indices=(0, 1), **TINY)
+    feats = model(images)
+    assert [f.shape for f in feats] == [(2, 64, 3, 5)] * 2
+    assert model.feature_info.channels() == [64, 64] and model.feature_info.reduction() == [16, 16]
+    full = tiny(depth=4)
+    taken = full.prune_intermediate_layers([1], prune_head=True)
+    assert taken == [1] and len(full.blocks) == 2
+
+
+def test_non_multiple_of_patch_size_rule():
+    model = tiny()
+    with pytest.raises(ValueError, match=r"input size 50x80 is not a multiple of the patch size 16: .*dynamic_img_pad"):
+        model(torch.randn(1, 3, 50, 80))
+    padded = tiny(dynamic_img_pad=True)
+    assert padded.forward_features(torch.randn(1, 3, 50, 80)).shape == (1, 5 + 4 * 5, 64)
+
+
+def test_any_image_size_without_interpolation():
+    model = tiny()
+    for size in [(32, 32), (64, 160), (256, 256)]:
+        grid = size[0] // 16 * size[1] // 16
+        assert model.forward_features(torch.randn(1, 3, *size)).shape == (1, 5 + grid, 64)
+
+
+def test_backward_reaches_every_trainable_parameter(images):
+    model = tiny(cls_norm=True, local_cls_norm=True, num_classes=3).train()
+    model(images).sum().backward()
+    no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert no_grad == []  # DDP without find_unused_parameters needs this
+    assert model.mask_token.grad is not None and model.mask_token.grad.abs().sum() == 0
+    assert not any(p.requires_grad for p in model.local_cls_norm.parameters())
+
+
+def test_grad_checkpointing_gives_same_outputs_and_grads(images):
+    model = tiny(num_classes=3)
+    reference = model(images)
+    reference.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    out = model(images)
+    out.sum().backward()
+    assert max_diff(out, reference) == 0
+    assert all(torch.allclose(p.grad, grads[n], atol=1e-6) for n, p in model.named_parameters() if n in grads)
+
+
+def test_drop_path_kinds_in_train_mode(images):
+    batch = torch.randn(8, 3, 32, 32)
+    drop_path = tiny(drop_path_rate=0.5)
+    assert [type(b.drop_path).__name__ for b in drop_path.blocks] == ["Identity", "DropPath"]  # linear schedule
+    drop_path.train()
+    torch.manual_seed(1)
+    a = drop_path.forward_features(batch)
+    torch.manual_seed(2)
+    assert max_diff(a, drop_path.forward_features(batch)) > 1e-3
+    drop_path.eval()
+    assert torch.equal(drop_path.forward_features(batch), drop_path.forward_features(batch))
+
+    sample = tiny(drop_path_rate=0.5, stochastic_depth="sample_drop")
+    assert [b.sample_drop_rate for b in sample.blocks] == [0.5, 0.5]  # DINOv3: uniform rate
+    eval_out = sample.forward_features(batch)
+    sample.train()
+    calls = []
+    handle = sample.blocks[0].attn.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    torch.manual_seed(3)
+    train_out = sample.forward_features(batch)
+    handle.remove()
+    assert calls == [4]  # the branch ran on half the batch only
+    assert max_diff(train_out, eval_out) > 1e-3
+    train_out.sum().backward()
+
+
+def test_rope_augmentation_only_in_training_and_per_block(images):
+    model = tiny(rope_rescale_coords=2.0)
+    plain = tiny()
+    with torch.no_grad():
+        assert torch.equal(model.forward_features(images), plain.forward_features(images))
+    model.train()
+    seen = []
+    for block in model.blocks:
+        block.register_forward_pre_hook(lambda m, args: seen.append(args[1][0].clone()))
+    model.forward_features(images)
+    assert not torch.equal(seen[0], seen[1])
+
+
+def test_masks_replace_patch_tokens(images):
+    model = tiny()
+    masks = torch.zeros(2, 15, dtype=torch.bool)
+    masks[:, 3] = True
+    tokens = model.prepare_tokens(images, masks)
+    assert torch.equal(tokens[:, 5 + 3], model.mask_token.expand(2, -1))
+
+
+def test_bf16_forward_is_close_to_fp32():
+    model = tiny(depth=1)
+    x = torch.randn(1, 3, 32, 32)
+    fp32 = model(x)
+    bf16 = model.to(torch.bfloat16)(x.bfloat16())
+    assert bf16.dtype == torch.bfloat16 and max_diff(bf16, fp32) < 0.1 * fp32.abs().max()
+
+
+def test_direct_construction_matches_registered_variant():
+    model = VisionTransformerLS(embed_dim=64, num_heads=4, depth=2, num_classes=0)
+    assert set(model.state_dict()) == set(timm.create_model("vit_ls_small_patch16_dinov3", **TINY).state_dict())

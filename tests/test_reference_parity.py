@@ -1,0 +1,118 @@
+"""Parity through the load path with the two public references: transformers' DINOv3ViTModel and timm's
+eva DINOv3, both with random weights moved off their inits, on a non-square input.
+
+The references compute RoPE periods in fp32 without Meta's bf16 rounding, so our models take
+`rope_periods_bf16=False` here; both files lack periods, so ours come from that setting.
+"""
+
+import pytest
+import timm
+import torch
+from conftest import TINY, max_diff, move_off_init_
+from safetensors.torch import load_file, save_file
+from timm.models import load_checkpoint
+from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+from timm_layerscale.layers import swiglu_hidden_features
+
+VARIANT = {"mlp": "vit_ls_small_patch16_dinov3", "swiglu": "vit_ls_small_plus_patch16_dinov3"}
+EVA = {"mlp": "vit_small_patch16_dinov3_qkvb", "swiglu": "vit_small_plus_patch16_dinov3_qkvb"}
+
+
+def transformers_reference(ffn: str) -> DINOv3ViTModel:
+    gated = ffn == "swiglu"
+    dim = TINY["embed_dim"]
+    config = DINOv3ViTConfig(
+        hidden_size=dim,
+        num_attention_heads=TINY["num_heads"],
+        num_hidden_layers=TINY["depth"],
+        intermediate_size=swiglu_hidden_features(dim, 6, 8) if gated else dim * 4,
+        use_gated_mlp=gated,
+        hidden_act="silu" if gated else "gelu",
+        num_register_tokens=4,
+        layerscale_value=1e-5,
+    )
+    torch.manual_seed(0)
+    return move_off_init_(DINOv3ViTModel(config)).eval()
+
+
+def eva_reference(ffn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return move_off_init_(timm.create_model(EVA[ffn], global_pool="token", **TINY)).eval()
+
+
+def ours_from_file(ffn: str, path, **kwargs) -> torch.nn.Module:
+    return timm.create_model(
+        VARIANT[ffn],
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(path)),
+        rope_periods_bf16=False,
+        **TINY,
+        **kwargs,
+    ).eval()
+
+
+@pytest.mark.parametrize("ffn", ["mlp", "swiglu"])
+@torch.no_grad()
+def test_transformers_hub_file_matches(ffn, tmp_path, images):
+    ref = transformers_reference(ffn)
+    ref.save_pretrained(tmp_path)  # the layout of the files on the Hub
+    model = ours_from_file(ffn, tmp_path / "model.safetensors")
+    expected = ref(pixel_values=images).last_hidden_state
+    assert max_diff(model.forward_features(images), expected) <= 1e-5
+    assert max_diff(model(images), ref(pixel_values=images).pooler_output) <= 1e-5
+
+
+@pytest.mark.parametrize("prefix", ["layer.", "model.layer."])
+@torch.no_grad()
+def test_transformers_both_block_spellings_load(prefix, tmp_path, images):
+    ref = transformers_reference("mlp")
+    state = {k.replace("model.layer.", prefix): v.contiguous() for k, v in ref.state_dict().items()}
+    assert any(k.startswith(prefix) for k in state)
+    save_file(state, tmp_path / "weights.safetensors")
+    model = ours_from_file("mlp", tmp_path / "weights.safetensors")
+    assert max_diff(model.forward_features(images), ref(pixel_values=images).last_hidden_state) <= 1e-5
+
+
+@pytest.mark.parametrize("ffn", ["mlp", "swiglu"])
+@torch.no_grad()
+def test_timm_eva_file_matches(ffn, tmp_path, images):
+    ref = eva_reference(ffn)
+    save_file(ref.state_dict(), tmp_path / "model.safetensors")
+    model = ours_from_file(ffn, tmp_path / "model.safetensors")
+    tokens = model.forward_features(images)
+    assert max_diff(tokens, ref.forward_features(images)) <= 1e-5
+    assert max_diff(model.forward_head(tokens, pre_logits=True), ref.forward_head(ref.forward_features(images), pre_logits=True)) <= 1e-5
+
+
+@torch.no_grad()
+def test_timm_eva_file_without_qkv_bias_fills_zero_bias(tmp_path, images, ls_log):
+    torch.manual_seed(0)
+    ref = move_off_init_(timm.create_model("vit_small_plus_patch16_dinov3", global_pool="token", **TINY)).eval()
+    save_file(ref.state_dict(), tmp_path / "model.safetensors")
+    model = ours_from_file("swiglu", tmp_path / "model.safetensors")
+    assert model.config.qkv_bias
+    assert max_diff(model.forward_features(images), ref.forward_features(images)) <= 1e-5
+    assert "zero qkv biases" in ls_log.text
+
+
+@torch.no_grad()
+def test_load_checkpoint_converts_without_a_filter(tmp_path, images):
+    """`timm.models.load_checkpoint` (train.py --initial-checkpoint) applies no filter: the hook converts."""
+    ref = eva_reference("mlp")
+    torch.save(ref.state_dict(), tmp_path / "eva.pth")
+    model = timm.create_model(VARIANT["mlp"], rope_periods_bf16=False, **TINY).eval()
+    load_checkpoint(model, str(tmp_path / "eva.pth"), strict=True)
+    assert max_diff(model.forward_features(images), ref.forward_features(images)) <= 1e-5
+
+
+@torch.no_grad()
+def test_converted_file_saves_in_meta_layout(tmp_path, images):
+    ref = transformers_reference("swiglu")
+    ref.save_pretrained(tmp_path)
+    model = ours_from_file("swiglu", tmp_path / "model.safetensors")
+    save_file(model.state_dict(), tmp_path / "ours.safetensors")
+    saved = load_file(tmp_path / "ours.safetensors")
+    assert "blocks.0.ls1.gamma" in saved and "blocks.0.mlp.w3.weight" in saved and "storage_tokens" in saved
+    again = ours_from_file("swiglu", tmp_path / "ours.safetensors")
+    assert max_diff(again.forward_features(images), model.forward_features(images)) == 0.0
