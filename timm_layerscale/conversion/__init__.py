@@ -71,13 +71,26 @@ def _fill_missing(sd: StateDict, expected: StateDict, model: nn.Module) -> list[
     return filled
 
 
+# Keys that only some options create, and the option that creates them.
+OPTION_KEYS = (("cls_norm.", "cls_norm"), ("mlp.w1.", "ffn_layer='swiglu'"), ("mlp.fc1.", "ffn_layer='mlp'"))
+
+
+def _option_hint(key: str, in_checkpoint: bool) -> str:
+    for fragment, option in OPTION_KEYS:
+        if fragment in key:
+            if option == "cls_norm":
+                option = f"cls_norm={in_checkpoint}"
+            return f"the model with {option} to match the checkpoint"
+    return "the variant and options the checkpoint was made for"
+
+
 def _check_complete(sd: StateDict, expected: StateDict, layout: str, model: nn.Module) -> None:
     name = getattr(model, "pretrained_cfg", {}).get("architecture") or type(model).__name__
     for key, target in expected.items():
         if key not in sd:
             raise CheckpointError(
-                f"the {layout} checkpoint lacks {key} {list(target.shape)} that {name} needs; build the "
-                f"variant or options that match the checkpoint (e.g. cls_norm, qkv_bias, num_storage_tokens)"
+                f"the {layout} checkpoint lacks {key} {list(target.shape)} that {name} needs; build "
+                f"{_option_hint(key, False)}"
             )
         if sd[key].shape != target.shape:
             raise CheckpointError(
@@ -88,8 +101,7 @@ def _check_complete(sd: StateDict, expected: StateDict, layout: str, model: nn.M
     if extra:
         raise CheckpointError(
             f"the {layout} checkpoint has {extra[0]} {list(sd[extra[0]].shape)} that {name} does not hold"
-            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; build the variant or options "
-            f"that match the checkpoint"
+            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; build {_option_hint(extra[0], True)}"
         )
 
 

@@ -1,0 +1,120 @@
+"""LayerScale gammas are never silently wrong: folded, set to 1 or kept, always reported once."""
+
+import logging
+
+import pytest
+import timm
+import torch
+from conftest import TINY, max_diff, move_off_init_
+from safetensors.torch import save_file
+from timm.models import load_checkpoint
+
+from timm_layerscale import CheckpointError, fold_layer_scale
+
+NAME = "vit_ls_small_patch16_dinov3"
+
+
+def source(name=NAME, **kwargs):
+    torch.manual_seed(0)
+    return move_off_init_(timm.create_model(name, **{**TINY, **kwargs})).eval()
+
+
+def layer_scale_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "timm_layerscale" and "LayerScale:" in r.getMessage()]
+
+
+def load_both_ways(path, **kwargs):
+    """timm's pretrained path (filter + hook) and load_checkpoint (hook only), in that order."""
+    by_file = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **TINY, **kwargs)
+    by_checkpoint = timm.create_model(NAME, **TINY, **kwargs)
+    load_checkpoint(by_checkpoint, str(path))
+    return by_file.eval(), by_checkpoint.eval()
+
+
+@pytest.mark.parametrize("ffn", ["mlp", "swiglu"])
+@torch.no_grad()
+def test_gammas_fold_into_a_model_without_layer_scale(ffn, tmp_path, images, ls_log):
+    kwargs = {"ffn_layer": ffn}
+    src = source(**kwargs)
+    save_file(src.state_dict(), tmp_path / "with_gammas.safetensors")
+    for model in load_both_ways(tmp_path / "with_gammas.safetensors", init_values=0, **kwargs):
+        assert not any(k.endswith("gamma") for k in model.state_dict())
+        assert max_diff(model.forward_features(images), src.forward_features(images)) <= 1e-5
+    lines = layer_scale_lines(ls_log)
+    assert len(lines) == 2 and all("folded 4 gammas" in line for line in lines)  # once per load
+
+
+@torch.no_grad()
+def test_folding_from_a_foreign_layout(tmp_path, images):
+    eva = move_off_init_(timm.create_model("vit_small_patch16_dinov3_qkvb", global_pool="token", **TINY)).eval()
+    torch.save(eva.state_dict(), tmp_path / "eva.pth")
+    model = timm.create_model(NAME, **TINY, init_values="off", rope_periods_bf16=False).eval()
+    load_checkpoint(model, str(tmp_path / "eva.pth"))
+    assert max_diff(model.forward_features(images), eva.forward_features(images)) <= 1e-5
+
+
+@torch.no_grad()
+def test_public_fold_layer_scale_keeps_outputs(images):
+    model = source(init_values=[{"attn": 1e-5, "mlp": "off"}, 0.1])
+    before = model.forward_features(images)
+    fold_layer_scale(model)
+    assert not any(k.endswith("gamma") for k in model.state_dict())
+    assert max_diff(model.forward_features(images), before) <= 1e-5
+    assert model.config.layer_init_values == [(None, None)] * 2
+
+
+@torch.no_grad()
+def test_missing_gammas_become_one(tmp_path, images, ls_log):
+    src = source(init_values=0)
+    save_file(src.state_dict(), tmp_path / "no_gammas.safetensors")
+    for model in load_both_ways(tmp_path / "no_gammas.safetensors"):
+        gammas = [v for k, v in model.state_dict().items() if k.endswith("gamma")]
+        assert len(gammas) == 4 and all(torch.equal(g, torch.ones(64)) for g in gammas)
+        assert max_diff(model.forward_features(images), src.forward_features(images)) == 0
+    lines = layer_scale_lines(ls_log)
+    assert len(lines) == 2 and all("set 4 gammas to 1" in line for line in lines)
+    assert all(r.levelno == logging.WARNING for r in ls_log.records if "set 4 gammas" in r.getMessage())
+
+
+def test_missing_gammas_fail_under_strict_layer_scale(tmp_path):
+    save_file(source(init_values=0).state_dict(), tmp_path / "no_gammas.safetensors")
+    expected = r"no LayerScale gammas \(blocks.0.ls1.gamma and 3 more\).*init_values=0"
+    with pytest.raises(CheckpointError, match=expected):
+        load_both_ways(tmp_path / "no_gammas.safetensors", strict_layer_scale=True)
+
+
+@torch.no_grad()
+def test_kept_gammas_are_reported_once_per_load(tmp_path, ls_log):
+    src = source()
+    save_file(src.state_dict(), tmp_path / "ok.safetensors")
+    for model in load_both_ways(tmp_path / "ok.safetensors"):
+        assert all(torch.equal(v, src.state_dict()[k]) for k, v in model.state_dict().items() if k.endswith("gamma"))
+    assert layer_scale_lines(ls_log) == ["LayerScale: kept 4 gammas from the checkpoint"] * 2
+    assert not [r for r in ls_log.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (float("nan"), "NaN or Inf in blocks 1.mlp"),
+        (float("inf"), "NaN or Inf in blocks 1.mlp"),
+        (1e-5, "blocks 1.mlp all equal an init value: the checkpoint looks saved before training"),
+    ],
+)
+def test_suspicious_gammas_are_warned_about(value, expected, tmp_path, ls_log):
+    state = source().state_dict()
+    state["blocks.1.ls2.gamma"] = torch.full((64,), value)
+    save_file(state, tmp_path / "odd.safetensors")
+    timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "odd.safetensors")), **TINY)
+    warnings = [r.getMessage() for r in ls_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and expected in warnings[0]
+
+
+def test_an_untrained_model_is_flagged_for_every_block(tmp_path, ls_log):
+    torch.save(timm.create_model(NAME, **TINY).state_dict(), tmp_path / "fresh.pth")
+    load_checkpoint(timm.create_model(NAME, **TINY), str(tmp_path / "fresh.pth"))
+    warnings = [r.getMessage() for r in ls_log.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "LayerScale gammas in blocks 0.attn, 0.mlp, 1.attn, 1.mlp all equal an init value: "
+        "the checkpoint looks saved before training"
+    ]

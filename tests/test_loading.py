@@ -1,0 +1,139 @@
+"""Every layout through every loading path, and the errors for what cannot load."""
+
+import pickle
+
+import pytest
+import timm
+import torch
+from conftest import FIXTURES, TINY, max_diff, move_off_init_
+from safetensors.torch import load_file, save_file
+from timm.models import load_checkpoint
+
+from timm_layerscale import CheckpointError, convert_state_dict
+
+NAME = "vit_ls_small_patch16_dinov3"
+
+
+def source_model(**kwargs):
+    torch.manual_seed(0)
+    return move_off_init_(timm.create_model(NAME, **{**TINY, **kwargs})).eval()
+
+
+def from_file(path, name=NAME, **kwargs):
+    return timm.create_model(
+        name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **{**TINY, **kwargs}
+    ).eval()
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda sd: {"model": sd},
+        lambda sd: {"state_dict": {f"module.{k}": v for k, v in sd.items()}},
+        lambda sd: {"teacher": {**{f"backbone.{k}": v for k, v in sd.items()}, "dino_head.mlp.0.weight": torch.ones(2, 2)}},
+        lambda sd: {"model": {f"teacher.backbone.{k}": v for k, v in sd.items()} | {"teacher.ibot_head.w": torch.ones(1)},
+                    "iteration": 7},
+    ],
+    ids=["model", "state_dict+module", "teacher+backbone+head", "training-checkpoint"],
+)
+@torch.no_grad()
+def test_wrapped_meta_checkpoints_load(wrap, tmp_path, images):
+    source = source_model()
+    torch.save(wrap(source.state_dict()), tmp_path / "ckpt.pth")
+    assert max_diff(from_file(tmp_path / "ckpt.pth").forward_features(images), source.forward_features(images)) == 0
+
+
+def test_sharded_folder_gets_a_clear_error(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="is a folder, not a checkpoint file .* consolidate"):
+        from_file(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        from_file(tmp_path / "nope.pth")
+
+
+def test_unrecognised_layout_names_what_it_saw(tmp_path):
+    save_file({"conv1.weight": torch.zeros(2, 2), "fc.bias": torch.zeros(2)}, tmp_path / "resnet.safetensors")
+    with pytest.raises(CheckpointError, match=r"unrecognised checkpoint layout \(first keys: conv1.weight, fc.bias\)"):
+        from_file(tmp_path / "resnet.safetensors")
+
+
+def test_wrong_architecture_names_first_mismatch(tmp_path):
+    save_file(source_model(embed_dim=128).state_dict(), tmp_path / "wide.safetensors")
+    with pytest.raises(CheckpointError) as info:
+        from_file(tmp_path / "wide.safetensors")
+    message = str(info.value)
+    assert "the meta checkpoint does not fit vit_ls_small_patch16_dinov3: cls_token is [1, 1, 128]" in message
+    assert "but [1, 1, 64] in the model" in message and "\n" not in message
+
+
+def test_untied_norm_checkpoint_into_tied_model_is_refused(tmp_path):
+    save_file(source_model(cls_norm=True).state_dict(), tmp_path / "untied.safetensors")
+    with pytest.raises(CheckpointError, match=r"has cls_norm.bias \[64\] that vit_ls_small_patch16_dinov3 does not hold .*build the model with cls_norm=True"):
+        from_file(tmp_path / "untied.safetensors")
+
+
+@torch.no_grad()
+def test_strict_loaders_get_the_models_own_head(tmp_path, images):
+    source = source_model()
+    torch.save(source.state_dict(), tmp_path / "backbone.pth")
+    model = timm.create_model(NAME, num_classes=10, **TINY).eval()
+    fresh_head = model.head.weight.clone()
+    load_checkpoint(model, str(tmp_path / "backbone.pth"), strict=True)  # train.py --initial-checkpoint
+    assert torch.equal(model.head.weight, fresh_head)
+    assert max_diff(model.forward_features(images), source.forward_features(images)) == 0
+    classifier = source_model(num_classes=1000)
+    torch.save(classifier.state_dict(), tmp_path / "in1k.pth")
+    load_checkpoint(model, str(tmp_path / "in1k.pth"), strict=True)  # wrongly shaped head
+    assert torch.equal(model.head.weight, fresh_head)
+
+
+@torch.no_grad()
+def test_local_cls_norm_round_trips_and_fills(tmp_path, images, ls_log):
+    sat = source_model(local_cls_norm=True)
+    save_file(sat.state_dict(), tmp_path / "sat.safetensors")
+    loaded = from_file(tmp_path / "sat.safetensors", local_cls_norm=True)
+    assert all(torch.equal(v, sat.state_dict()[k]) for k, v in loaded.state_dict().items())
+    lvd = from_file(tmp_path / "sat.safetensors")  # LVD-shaped model: the training-only norm is dropped, logged
+    assert "dropped local_cls_norm" in ls_log.text
+    assert max_diff(lvd.forward_features(images), sat.forward_features(images)) == 0
+    save_file(lvd.state_dict(), tmp_path / "lvd.safetensors")
+    filled = from_file(tmp_path / "lvd.safetensors", local_cls_norm=True)
+    assert torch.equal(filled.local_cls_norm.weight, lvd.norm.weight)
+    assert "local_cls_norm from norm" in ls_log.text
+
+
+def test_sat_large_tag_loads_meta_layout_losslessly(tmp_path):
+    """The .sat493m tag builds local_cls_norm, so a SAT-L file saves back identical (7B shapes on meta)."""
+    meta_sd = load_file(FIXTURES / "meta_swiglu.safetensors")
+    model = timm.create_model(
+        "vit_ls_large_patch16_dinov3.sat493m", pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(FIXTURES / "meta_swiglu.safetensors")),
+        embed_dim=64, num_heads=4, depth=3, ffn_layer="swiglu", ffn_ratio=6, qkv_bias=False, cls_norm=True,
+    )
+    assert set(model.state_dict()) == set(meta_sd)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in meta_sd.items())
+
+
+def test_malicious_pickle_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (tmp_path / "evil.pth").write_bytes(pickle.dumps({"cls_token": Exploit()}))
+    refused = (pickle.UnpicklingError, RuntimeError)  # timm wraps the refusal in RuntimeError since 1.0.26
+    with pytest.raises(refused, match="(?i)weights.only"):
+        from_file(tmp_path / "evil.pth")
+    with pytest.raises(refused, match="(?i)weights.only"):
+        load_checkpoint(timm.create_model(NAME, **TINY), str(tmp_path / "evil.pth"))
+    assert not marker.exists()
+
+
+def test_conversion_is_idempotent_and_complete():
+    model = timm.create_model(NAME, **TINY)
+    native, report = convert_state_dict(source_model().state_dict(), model)
+    again, _ = convert_state_dict(native, model)
+    assert list(native) == list(model.state_dict()) == list(again)
+    assert report[0] == "loaded a meta checkpoint"
