@@ -33,7 +33,9 @@ def test_init_value_forms(value, expected):
 
 def test_per_block_list_and_auto():
     assert resolve_init_values([0.1, "off", {"attn": 1e-5, "mlp": 1e-6}], depth=3) == [
-        (0.1, 0.1), (None, None), (1e-5, 1e-6)
+        (0.1, 0.1),
+        (None, None),
+        (1e-5, 1e-6),
     ]
     assert [cait_init_value(d) for d in (12, 18, 24, 40)] == [0.1, 0.1, 1e-5, 1e-6]
     assert resolve_init_values("auto", depth=40) == [(1e-6, 1e-6)] * 40
@@ -82,8 +84,12 @@ def test_unknown_config_key_is_named():
 def test_fresh_gammas_equal_init_values_per_branch_and_block():
     per_block = [0.1, {"attn": 1e-4, "mlp": 1e-6}, "off"]
     model = timm.create_model("vit_ls_small_patch16_dinov3", init_values=per_block, embed_dim=64, num_heads=4, depth=3)
-    expected = {"blocks.0.ls1.gamma": 0.1, "blocks.0.ls2.gamma": 0.1, "blocks.1.ls1.gamma": 1e-4,
-                "blocks.1.ls2.gamma": 1e-6}
+    expected = {
+        "blocks.0.ls1.gamma": 0.1,
+        "blocks.0.ls2.gamma": 0.1,
+        "blocks.1.ls1.gamma": 1e-4,
+        "blocks.1.ls2.gamma": 1e-6,
+    }
     found = gammas(model)
     assert set(found) == set(expected)
     for key, value in expected.items():

@@ -105,7 +105,9 @@ def test_suspicious_gammas_are_warned_about(value, expected, tmp_path, ls_log):
     state = source().state_dict()
     state["blocks.1.ls2.gamma"] = torch.full((64,), value)
     save_file(state, tmp_path / "odd.safetensors")
-    timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "odd.safetensors")), **TINY)
+    timm.create_model(
+        NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "odd.safetensors")), **TINY
+    )
     warnings = [r.getMessage() for r in ls_log.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and expected in warnings[0]
 

@@ -30,9 +30,16 @@ def from_file(path, name=NAME, **kwargs):
     [
         lambda sd: {"model": sd},
         lambda sd: {"state_dict": {f"module.{k}": v for k, v in sd.items()}},
-        lambda sd: {"teacher": {**{f"backbone.{k}": v for k, v in sd.items()}, "dino_head.mlp.0.weight": torch.ones(2, 2)}},
-        lambda sd: {"model": {f"teacher.backbone.{k}": v for k, v in sd.items()} | {"teacher.ibot_head.w": torch.ones(1)},
-                    "iteration": 7},
+        lambda sd: {
+            "teacher": {
+                **{f"backbone.{k}": v for k, v in sd.items()},
+                "dino_head.mlp.0.weight": torch.ones(2, 2),
+            }
+        },
+        lambda sd: {
+            "model": {f"teacher.backbone.{k}": v for k, v in sd.items()} | {"teacher.ibot_head.w": torch.ones(1)},
+            "iteration": 7,
+        },
     ],
     ids=["model", "state_dict+module", "teacher+backbone+head", "training-checkpoint"],
 )
@@ -46,7 +53,7 @@ def test_wrapped_meta_checkpoints_load(wrap, tmp_path, images):
 def test_sharded_folder_gets_a_clear_error(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match="is a folder, not a checkpoint file .* consolidate"):
+    with pytest.raises(CheckpointError, match=r"is a folder, not a checkpoint file .* consolidate"):
         from_file(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match="does not exist"):
         from_file(tmp_path / "nope.pth")
@@ -69,7 +76,10 @@ def test_wrong_architecture_names_first_mismatch(tmp_path):
 
 def test_untied_norm_checkpoint_into_tied_model_is_refused(tmp_path):
     save_file(source_model(cls_norm=True).state_dict(), tmp_path / "untied.safetensors")
-    with pytest.raises(CheckpointError, match=r"has cls_norm.bias \[64\] that vit_ls_small_patch16_dinov3 does not hold .*build the model with cls_norm=True"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"has cls_norm.bias \[64\] that vit_ls_small_patch16_dinov3 does not hold .*with cls_norm=True",
+    ):
         from_file(tmp_path / "untied.safetensors")
 
 
@@ -107,9 +117,16 @@ def test_sat_large_tag_loads_meta_layout_losslessly(tmp_path):
     """The .sat493m tag builds local_cls_norm, so a SAT-L file saves back identical (7B shapes on meta)."""
     meta_sd = load_file(FIXTURES / "meta_swiglu.safetensors")
     model = timm.create_model(
-        "vit_ls_large_patch16_dinov3.sat493m", pretrained=True,
+        "vit_ls_large_patch16_dinov3.sat493m",
+        pretrained=True,
         pretrained_cfg_overlay=dict(file=str(FIXTURES / "meta_swiglu.safetensors")),
-        embed_dim=64, num_heads=4, depth=3, ffn_layer="swiglu", ffn_ratio=6, qkv_bias=False, cls_norm=True,
+        embed_dim=64,
+        num_heads=4,
+        depth=3,
+        ffn_layer="swiglu",
+        ffn_ratio=6,
+        qkv_bias=False,
+        cls_norm=True,
     )
     assert set(model.state_dict()) == set(meta_sd)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in meta_sd.items())
@@ -124,9 +141,9 @@ def test_malicious_pickle_is_never_executed(tmp_path):
 
     (tmp_path / "evil.pth").write_bytes(pickle.dumps({"cls_token": Exploit()}))
     refused = (pickle.UnpicklingError, RuntimeError)  # timm wraps the refusal in RuntimeError since 1.0.26
-    with pytest.raises(refused, match="(?i)weights.only"):
+    with pytest.raises(refused, match=r"(?i)weights.only"):
         from_file(tmp_path / "evil.pth")
-    with pytest.raises(refused, match="(?i)weights.only"):
+    with pytest.raises(refused, match=r"(?i)weights.only"):
         load_checkpoint(timm.create_model(NAME, **TINY), str(tmp_path / "evil.pth"))
     assert not marker.exists()
 

@@ -1,8 +1,8 @@
 import pytest
 import timm
-from timm.models._manipulate import group_parameters
 import torch
 from conftest import TINY, max_diff, move_off_init_
+from timm.models._manipulate import group_parameters
 
 from timm_layerscale import VisionTransformerLS
 
@@ -168,7 +168,10 @@ def test_grad_checkpointing_gives_same_outputs_and_grads(images):
 def test_drop_path_kinds_in_train_mode(images):
     batch = torch.randn(8, 3, 32, 32)
     drop_path = tiny(drop_path_rate=0.5)
-    assert [type(b.drop_path).__name__ for b in drop_path.blocks] == ["Identity", "DropPath"]  # linear schedule
+    assert [type(b.drop_path).__name__ for b in drop_path.blocks] == [
+        "Identity",
+        "DropPath",
+    ]  # linear schedule
     drop_path.train()
     torch.manual_seed(1)
     a = drop_path.forward_features(batch)

@@ -82,7 +82,13 @@ def test_timm_eva_file_matches(ffn, tmp_path, images):
     model = ours_from_file(ffn, tmp_path / "model.safetensors")
     tokens = model.forward_features(images)
     assert max_diff(tokens, ref.forward_features(images)) <= 1e-5
-    assert max_diff(model.forward_head(tokens, pre_logits=True), ref.forward_head(ref.forward_features(images), pre_logits=True)) <= 1e-5
+    assert (
+        max_diff(
+            model.forward_head(tokens, pre_logits=True),
+            ref.forward_head(ref.forward_features(images), pre_logits=True),
+        )
+        <= 1e-5
+    )
 
 
 @torch.no_grad()

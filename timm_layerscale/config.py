@@ -108,21 +108,41 @@ class VitLsConfig:
 
     def validate(self) -> None:
         for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads", "swiglu_align_to"):
-            _require(name, getattr(self, name), isinstance(getattr(self, name), int) and getattr(self, name) > 0,
-                     "a positive integer")
+            _require(
+                name,
+                getattr(self, name),
+                isinstance(getattr(self, name), int) and getattr(self, name) > 0,
+                "a positive integer",
+            )
         for name in ("num_storage_tokens", "num_classes"):
             value = getattr(self, name)
             _require(name, value, isinstance(value, int) and value >= 0, "an integer >= 0")
-        _require("num_heads", self.num_heads, self.embed_dim % self.num_heads == 0,
-                 f"a divisor of embed_dim={self.embed_dim}")
-        _require("num_heads", self.num_heads, self.head_dim % 4 == 0,
-                 f"such that embed_dim / num_heads is a multiple of 4 for RoPE (embed_dim={self.embed_dim})")
-        for name, allowed in (("ffn_layer", FFN_LAYERS), ("rope_normalize_coords", NORMALIZE_COORDS),
-                              ("stochastic_depth", STOCHASTIC_DEPTH), ("global_pool", GLOBAL_POOLS)):
+        _require(
+            "num_heads",
+            self.num_heads,
+            self.embed_dim % self.num_heads == 0,
+            f"a divisor of embed_dim={self.embed_dim}",
+        )
+        _require(
+            "num_heads",
+            self.num_heads,
+            self.head_dim % 4 == 0,
+            f"such that embed_dim / num_heads is a multiple of 4 for RoPE (embed_dim={self.embed_dim})",
+        )
+        for name, allowed in (
+            ("ffn_layer", FFN_LAYERS),
+            ("rope_normalize_coords", NORMALIZE_COORDS),
+            ("stochastic_depth", STOCHASTIC_DEPTH),
+            ("global_pool", GLOBAL_POOLS),
+        ):
             _require(name, getattr(self, name), getattr(self, name) in allowed, f"one of {allowed}")
         for name in ("ffn_ratio", "rope_base", "norm_eps"):
-            _require(name, getattr(self, name), _is_number(getattr(self, name)) and getattr(self, name) > 0,
-                     "a positive number")
+            _require(
+                name,
+                getattr(self, name),
+                _is_number(getattr(self, name)) and getattr(self, name) > 0,
+                "a positive number",
+            )
         for name in ("drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
             value = getattr(self, name)
             _require(name, value, _is_number(value) and 0 <= value < 1, "a number in [0, 1)")
@@ -132,12 +152,23 @@ class VitLsConfig:
         for name in ("rope_jitter_coords", "rope_rescale_coords"):
             value = getattr(self, name)
             _require(name, value, value is None or (_is_number(value) and value >= 1), "null or a number >= 1")
-        for name in ("dynamic_img_size", "dynamic_img_pad", "qkv_bias", "mask_k_bias", "proj_bias", "ffn_bias",
-                     "rope_periods_bf16", "cls_norm", "local_cls_norm", "strict_layer_scale"):
+        for name in (
+            "dynamic_img_size",
+            "dynamic_img_pad",
+            "qkv_bias",
+            "mask_k_bias",
+            "proj_bias",
+            "ffn_bias",
+            "rope_periods_bf16",
+            "cls_norm",
+            "local_cls_norm",
+            "strict_layer_scale",
+        ):
             _require(name, getattr(self, name), isinstance(getattr(self, name), bool), "true or false")
         size = self.img_size
         ok = (isinstance(size, int) and size > 0) or (
-            isinstance(size, Sequence) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size))
+            isinstance(size, Sequence) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size)
+        )
         _require("img_size", size, ok, "a positive integer or a pair of them")
 
 

@@ -11,7 +11,6 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.layers import PatchEmbed, trunc_normal_
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import global_pool_nlc

@@ -28,7 +28,7 @@ default_cfgs: dict[str, Any] = {}
 VARIANTS: dict[str, Variant] = {}
 
 TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
-TAG_CFG_KEYS = tuple(f.name for f in fields(PretrainedCfg)) + ("model",)
+TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
 FEATURE_BLOCKS = 4  # features_only returns the last four blocks unless out_indices says otherwise
 
 

@@ -17,7 +17,13 @@ from .errors import CheckpointError
 from .layer_scale import fold_layer_scale, reconcile_layer_scale
 from .layouts import CONVERTERS, StateDict, detect_layout, strip_wrappers
 
-__all__ = ["CheckpointError", "checkpoint_filter_fn", "convert_state_dict", "fold_layer_scale", "install_load_hook"]
+__all__ = [
+    "CheckpointError",
+    "checkpoint_filter_fn",
+    "convert_state_dict",
+    "fold_layer_scale",
+    "install_load_hook",
+]
 
 _logger = logging.getLogger("timm_layerscale")
 NESTED_KEYS = ("teacher", "model", "state_dict", "model_ema", "state_dict_ema")
@@ -122,7 +128,9 @@ def convert_state_dict(checkpoint: Any, model: nn.Module) -> tuple[StateDict, li
     dropped = []
     for key in [k for k in sd if k not in expected]:
         if key.startswith("local_cls_norm."):
-            dropped.append("local_cls_norm (only used in local-crop pretraining; build with local_cls_norm=True to keep it)")
+            dropped.append(
+                "local_cls_norm (only used in local-crop pretraining; build with local_cls_norm=True to keep it)"
+            )
         elif key.startswith("head."):
             dropped.append("the checkpoint's classifier head (the model has num_classes=0)")
         else:

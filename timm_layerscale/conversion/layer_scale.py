@@ -104,9 +104,7 @@ def _suspicious_gammas(state_dict, kept: list[str], init_values) -> list[str]:
         value = gamma.flatten()[0].item()
         configured = init_values[block][branch - 1] if block < len(init_values) else None
         inits = (*COMMON_INIT_VALUES, *([configured] if configured else []))
-        if bool((gamma == gamma.flatten()[0]).all()) and any(
-            math.isclose(value, v, rel_tol=1e-3) for v in inits
-        ):
+        if bool((gamma == gamma.flatten()[0]).all()) and any(math.isclose(value, v, rel_tol=1e-3) for v in inits):
             untrained.append(name)
     warnings = []
     if non_finite:
@@ -128,7 +126,7 @@ def fold_layer_scale(model: nn.Module) -> nn.Module:
     """
     from ..layers import LayerScale
 
-    for block_name, block in model.named_modules():
+    for block in model.modules():
         for ls_name, proj_names in (("ls1", ("attn.proj",)), ("ls2", ("mlp.fc2", "mlp.w3"))):
             layer_scale = getattr(block, ls_name, None)
             if not isinstance(layer_scale, LayerScale):

@@ -52,7 +52,9 @@ def _fuse_qkv_weights(state_dict: StateDict, block_keys: Callable[[str], tuple[s
     blocks = sorted({int(m.group(1)) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.attn\.q_proj\.", k))})
     for i in blocks:
         q, k, v = block_keys(f"blocks.{i}.attn")
-        weight = torch.cat([state_dict.pop(f"{q}.weight"), state_dict.pop(f"{k}.weight"), state_dict.pop(f"{v}.weight")])
+        weight = torch.cat(
+            [state_dict.pop(f"{q}.weight"), state_dict.pop(f"{k}.weight"), state_dict.pop(f"{v}.weight")]
+        )
         state_dict[f"blocks.{i}.attn.qkv.weight"] = weight
         q_bias, k_bias, v_bias = (state_dict.pop(f"{name}.bias", None) for name in (q, k, v))
         if q_bias is not None or v_bias is not None:
@@ -80,7 +82,11 @@ def from_transformers(state_dict: StateDict) -> StateDict:
     _fuse_qkv_weights(sd, lambda attn: (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"))
     gated = any(k.endswith(".mlp.gate_proj.weight") for k in sd)
     mlp_rules = (
-        [(r"\.mlp\.gate_proj\.", ".mlp.w1."), (r"\.mlp\.up_proj\.", ".mlp.w2."), (r"\.mlp\.down_proj\.", ".mlp.w3.")]
+        [
+            (r"\.mlp\.gate_proj\.", ".mlp.w1."),
+            (r"\.mlp\.up_proj\.", ".mlp.w2."),
+            (r"\.mlp\.down_proj\.", ".mlp.w3."),
+        ]
         if gated
         else [(r"\.mlp\.up_proj\.", ".mlp.fc1."), (r"\.mlp\.down_proj\.", ".mlp.fc2.")]
     )
