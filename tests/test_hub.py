@@ -1,0 +1,109 @@
+"""Hub loading through the real huggingface_hub client, against a local stand-in for the Hub."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import timm
+import torch
+from hub_server import LocalHub, hub_env
+from safetensors.torch import load_file, save_file
+from timm.models.eva import Eva
+
+import timm_layerscale  # noqa: F401  (registers the variants)
+
+HUB_ID = "timm/vit_small_patch16_dinov3_qkvb.lvd1689m"
+TINY = ["depth=2", "rope_periods_bf16=False"]  # timm's eva keeps its RoPE periods unrounded
+LOAD_AND_RUN = """
+import sys
+import timm, timm_layerscale, torch
+from safetensors.torch import load_file, save_file
+
+model = timm.create_model(
+    "vit_ls_small_patch16_dinov3.lvd1689m", pretrained=True, depth=2, rope_periods_bf16=False
+).eval()
+x = load_file(sys.argv[1])["x"]
+with torch.no_grad():
+    tokens = model.forward_features(x)
+    pooled = model.forward_head(tokens, pre_logits=True)
+save_file({"tokens": tokens.contiguous(), "pooled": pooled.contiguous()}, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def hub_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Eva]:
+    """A Hub holding timm's own eva DINOv3 weights, with gammas and q/v biases far from their init."""
+    root = tmp_path_factory.mktemp("hub")
+    torch.manual_seed(0)
+    eva = timm.create_model("vit_small_patch16_dinov3_qkvb", depth=2, global_pool="token").eval()
+    with torch.no_grad():
+        for name, param in eva.named_parameters():
+            if name.endswith(("gamma_1", "gamma_2")):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(("q_bias", "v_bias")):
+                param.normal_(0.0, 0.5)
+    (root / HUB_ID).mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in eva.state_dict().items()}, root / HUB_ID / "model.safetensors")
+    return root, eva
+
+
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_pretrained_eva_weights_from_the_hub_match_timm_eva(hub_root: tuple[Path, Eva], tmp_path: Path) -> None:
+    root, eva = hub_root
+    x = torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(1))
+    save_file({"x": x}, tmp_path / "x.safetensors")
+    with LocalHub(root) as hub:
+        args = [sys.executable, "-c", LOAD_AND_RUN, str(tmp_path / "x.safetensors"), str(tmp_path / "out.safetensors")]
+        result = run(args, hub_env(hub, tmp_path / "hf_home"))
+    assert result.returncode == 0, result.stderr
+    assert f"GET /{HUB_ID}/resolve/main/model.safetensors" in hub.requests
+    out = load_file(tmp_path / "out.safetensors")
+    with torch.no_grad():
+        tokens = eva.forward_features(x)
+        pooled = eva.forward_head(tokens, pre_logits=True)
+    assert out["tokens"].shape == tokens.shape == (2, 1 + 4 + 4 * 6, 384)
+    assert (out["tokens"] - tokens).abs().max() <= 1e-5
+    assert (out["pooled"] - pooled).abs().max() <= 1e-5
+
+
+def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
+    hub_root: tuple[Path, Eva], tmp_path: Path
+) -> None:
+    root, eva = hub_root
+    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--model-kwargs", *TINY]
+    gamma = eva.blocks[0].gamma_1.detach()
+    expected_row = ["0", f"{gamma.abs().mean():.4g}", f"{gamma.min():.4g}", f"{gamma.max():.4g}"]
+    with LocalHub(root) as hub:
+        env = hub_env(hub, tmp_path / "hf_home")
+        online = run(cli, env)
+    assert online.returncode == 0, online.stderr
+    assert f"weights: Hub {HUB_ID}\n" in online.stdout
+    assert "loaded a timm-eva checkpoint" in online.stdout
+    assert online.stdout.split("LayerScale gammas:\n")[1].splitlines()[1].split()[:4] == expected_row
+
+    offline = run(cli, {**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr
+    assert (
+        f"weights: Hub {HUB_ID} from the local cache (the Hub is not reachable: HF_HUB_OFFLINE is set)"
+        in offline.stdout
+    )
+    assert offline.stdout.split("LayerScale gammas:\n")[1].splitlines()[1].split()[:4] == expected_row
+
+
+def test_cli_pretrained_without_a_hub_falls_back_to_random_init(tmp_path: Path) -> None:
+    env = hub_env(SimpleNamespace(url="http://127.0.0.1:9"), tmp_path / "hf_home")
+    env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
+    start = time.monotonic()
+    result = run([sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--model-kwargs", "depth=2"], env)
+    assert result.returncode == 0, result.stderr
+    assert "weights: random init: the Hub is not reachable (http://127.0.0.1:9: " in result.stdout
+    assert "LayerScale gammas:" in result.stdout
+    assert time.monotonic() - start < 30  # no retry loop
