@@ -139,7 +139,7 @@ def test_malicious_pickle_is_never_executed(tmp_path):
         def __reduce__(self):
             return (open, (str(marker), "w"))
 
-    (tmp_path / "evil.pth").write_bytes(pickle.dumps({"cls_token": Exploit()}))
+    (tmp_path / "evil.pth").write_bytes(pickle.dumps({"cls_token": Exploit()}, protocol=2))
     refused = (pickle.UnpicklingError, RuntimeError)  # timm wraps the refusal in RuntimeError since 1.0.26
     with pytest.raises(refused, match=r"(?i)weights.only"):
         from_file(tmp_path / "evil.pth")

@@ -1,7 +1,8 @@
 """`timm-ls`: build a vit_ls variant, run the shipped images through it and show its LayerScale gammas.
 
 `timm-ls [demo]` runs a variant (random, `--checkpoint` or `--pretrained` weights); `timm-ls list` lists
-the registered variants with their size, pretrained tags and YAML file.
+the registered variants with their size, pretrained tags and YAML file; `timm-ls run SCRIPT ARGS...` runs a
+timm script (train.py, validate.py, ...) with the variants registered.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 import difflib
 import logging
 import pickle
+import runpy
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -210,6 +212,20 @@ def list_variants(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_script(args: argparse.Namespace) -> int:
+    """timm's scripts look models up by name only: registering ours first is all they need."""
+    script = Path(args.script)
+    if not script.is_file():
+        raise CliError(f"script {script} does not exist; pass the path of timm's train.py or validate.py")
+    sys.argv = [str(script), *args.script_args]
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="timm-ls",
@@ -228,12 +244,16 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--image", action="append", default=[], metavar="PATH", help="instead of the shipped ones")
     run.set_defaults(func=demo)
     commands.add_parser("list", help="list the registered variants").set_defaults(func=list_variants)
+    script = commands.add_parser("run", help="run a timm script (train.py, validate.py) with the variants registered")
+    script.add_argument("script", help="path of the script")
+    script.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    script.set_defaults(func=run_script)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("demo", "list", "-h", "--help"):
+    if not argv or argv[0] not in ("demo", "list", "run", "-h", "--help"):
         argv.insert(0, "demo")
     args = make_parser().parse_args(argv)
     try:
