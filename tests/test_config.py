@@ -81,6 +81,22 @@ def test_unknown_config_key_is_named():
         timm.create_model("vit_ls_small_patch16_dinov3", layerscale=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (1e-6, [1e-6] * 6),
+        ("auto", [0.1] * 6),  # depth 3: CaiT's shallow value
+        ({"attn": 1e-4, "mlp": 1e-6}, [1e-4, 1e-6] * 3),
+        ([0.5, 1e-3, {"attn": 2.0, "mlp": 1e-6}], [0.5, 0.5, 1e-3, 1e-3, 2.0, 1e-6]),
+    ],
+)
+def test_every_init_form_gives_exact_fresh_gammas(value, expected):
+    model = timm.create_model("vit_ls_small_patch16_dinov3", init_values=value, embed_dim=64, num_heads=4, depth=3)
+    found = list(gammas(model).values())
+    assert len(found) == len(expected)
+    assert all(torch.equal(g, torch.full((64,), v)) for g, v in zip(found, expected))
+
+
 def test_fresh_gammas_equal_init_values_per_branch_and_block():
     per_block = [0.1, {"attn": 1e-4, "mlp": 1e-6}, "off"]
     model = timm.create_model("vit_ls_small_patch16_dinov3", init_values=per_block, embed_dim=64, num_heads=4, depth=3)

@@ -87,6 +87,7 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
     assert online.returncode == 0, online.stderr
     assert f"weights: Hub {HUB_ID}\n" in online.stdout
     assert "loaded a timm-eva checkpoint" in online.stdout
+    assert online.stdout.count("LayerScale: kept 4 gammas from the checkpoint") == 1  # reported once
     assert online.stdout.split("LayerScale gammas:\n")[1].splitlines()[1].split()[:4] == expected_row
 
     offline = run(cli, {**env, "HF_HUB_OFFLINE": "1"})

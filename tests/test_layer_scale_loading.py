@@ -120,3 +120,11 @@ def test_an_untrained_model_is_flagged_for_every_block(tmp_path, ls_log):
         "LayerScale gammas in blocks 0.attn, 0.mlp, 1.attn, 1.mlp all equal an init value: "
         "the checkpoint looks saved before training"
     ]
+
+
+def test_gamma_that_cannot_fold_names_key_and_setting(tmp_path):
+    state = source().state_dict()
+    state["blocks.1.ls2.gamma"] = torch.ones(32)  # does not match mlp.fc2's 64 output rows
+    save_file(state, tmp_path / "odd.safetensors")
+    with pytest.raises(CheckpointError, match=r"cannot fold LayerScale blocks.1.ls2.gamma \[32\].*init_values="):
+        load_both_ways(tmp_path / "odd.safetensors", init_values=0)

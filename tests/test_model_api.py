@@ -226,3 +226,13 @@ def test_bf16_forward_is_close_to_fp32():
 def test_direct_construction_matches_registered_variant():
     model = VisionTransformerLS(embed_dim=64, num_heads=4, depth=2, num_classes=0)
     assert set(model.state_dict()) == set(timm.create_model("vit_ls_small_patch16_dinov3", **TINY).state_dict())
+
+
+def test_default_periods_are_the_released_bf16_values():
+    periods = timm.create_model("vit_ls_small_patch16_dinov3", device="meta").rope_embed
+    model = timm.create_model("vit_ls_small_patch16_dinov3", depth=1)
+    assert periods.periods.shape == (16,)
+    assert model.rope_embed.periods[:3].tolist() == [1.0, 1.3359375, 1.78125]
+    assert model.rope_embed.periods[-1].item() == 75.0  # 100 ** (60 / 64) = 74.99... rounds to 75 in bf16
+    exact = timm.create_model("vit_ls_small_patch16_dinov3", depth=1, rope_periods_bf16=False)
+    assert exact.rope_embed.periods[1].item() == pytest.approx(100 ** (4 / 64), rel=1e-7)
