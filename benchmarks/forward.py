@@ -16,6 +16,7 @@ import time
 
 import timm
 import torch
+import transformers
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 import timm_layerscale  # noqa: F401
@@ -25,14 +26,20 @@ logging.getLogger("timm_layerscale").setLevel(logging.ERROR)  # random weights t
 SHAPES = {
     "small": ("vit_small_patch16_dinov3_qkvb", 384, 6, 1536),
     "base": ("vit_base_patch16_dinov3_qkvb", 768, 12, 3072),
+    "large": ("vit_large_patch16_dinov3_qkvb", 1024, 16, 4096),
 }
 
 
 def build(variant: str, device: str):
     eva_name, dim, heads, hidden = SHAPES[variant]
     eva = timm.create_model(eva_name, global_pool="token").eval()
+    depth = timm.create_model(eva_name, device="meta").blocks.__len__()
     config = DINOv3ViTConfig(
-        hidden_size=dim, num_attention_heads=heads, intermediate_size=hidden, num_register_tokens=4
+        hidden_size=dim,
+        num_attention_heads=heads,
+        intermediate_size=hidden,
+        num_hidden_layers=depth,
+        num_register_tokens=4,
     )
     hf = DINOv3ViTModel(config).eval()
     ours = timm.create_model(f"vit_ls_{variant}_patch16_dinov3", rope_periods_bf16=False).eval()
@@ -88,7 +95,9 @@ def main() -> None:
     models = {name: (model.to(dtype), call) for name, (model, call) in build(args.variant, args.device).items()}
     x = torch.randn(args.batch, 3, args.size, args.size, device=args.device, dtype=dtype)
     results = measure(models, x, args.repeats)
+    versions = f"torch {torch.__version__}, timm {timm.__version__}, transformers {transformers.__version__}"
     print(f"{args.variant}, batch {args.batch} at {args.size}px, {args.dtype} on {args.device}, {args.repeats} rounds")
+    print(versions)
     print(f"{'model':<16} {'median ms':>10} {'time / ours':>12} {'peak MiB':>9}")
     for name, (ms, ratio, peak) in results.items():
         print(f"{name:<16} {ms:>10.1f} {ratio:>12.2f} {peak:>9.0f}")

@@ -50,10 +50,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         batch, tokens, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
+        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim)
+        qk, v = qkv[:, :, :2], qkv[:, :, 2]
         if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
+            sin, cos = rope
+            qk = apply_rope(qk, (sin[:, None, None], cos[:, None, None]))  # q and k rotated together
+        q, k = qk.unbind(2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
         x = x.transpose(1, 2).reshape(batch, tokens, dim)
         return self.proj_drop(self.proj(x))

@@ -86,22 +86,21 @@ class RopeEmbedding(nn.Module):
     def forward(self, height: int, width: int, num_prefix_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sin, cos), each [num_prefix_tokens + height * width, head_dim], fp32.
 
-        Prefix tokens get the identity rotation (sin 0, cos 1), so attention can rotate all tokens at once.
+        Prefix tokens get the identity rotation (sin 0, cos 1), so attention rotates all tokens at once.
+        The sin's first half is negated: `rotate_half(x) * sin == x.roll(half) * signed_sin`, one kernel less.
         """
         angles = 2 * math.pi * self._coords(height, width)[:, :, None] / self.periods.float()[None, None, :]
-        angles = angles.flatten(1, 2).tile(2)
-        prefix = angles.new_zeros(num_prefix_tokens, angles.shape[1])
-        angles = torch.cat([prefix, angles])
-        return angles.sin(), angles.cos()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        angles = angles.flatten(1, 2)
+        angles = torch.cat([angles.new_zeros(num_prefix_tokens, angles.shape[1]), angles])
+        sin, cos = angles.sin(), angles.cos()
+        return torch.cat([-sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotates in fp32 whatever the activation dtype, as the reference does, then casts back."""
-    sin, cos = rope
+    """Rotates the last dim of `x` in fp32 whatever its dtype (as the reference does), then casts back.
+
+    `rope` comes from `RopeEmbedding.forward`, broadcastable to `x` (tokens on the matching dim).
+    """
+    signed_sin, cos = rope
     xf = x.float()
-    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * signed_sin).to(x.dtype)
