@@ -33,12 +33,11 @@ SHAPES = {
 def build(variant: str, device: str):
     eva_name, dim, heads, hidden = SHAPES[variant]
     eva = timm.create_model(eva_name, global_pool="token").eval()
-    depth = timm.create_model(eva_name, device="meta").blocks.__len__()
     config = DINOv3ViTConfig(
         hidden_size=dim,
         num_attention_heads=heads,
         intermediate_size=hidden,
-        num_hidden_layers=depth,
+        num_hidden_layers=len(eva.blocks),
         num_register_tokens=4,
     )
     hf = DINOv3ViTModel(config).eval()
