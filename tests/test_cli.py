@@ -79,6 +79,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(files: Path) -> dict[str, Run]:
+    train_like = ["run", str(files / "train_like.py"), "--model", "vit_ls_small_patch16_dinov3", "--model-kwargs"]
     cases = {
         "demo": [],
         "list": ["list"],
@@ -89,24 +90,8 @@ def runs(files: Path) -> dict[str, Run]:
         "wrong_arch": ["--checkpoint", str(files / "base.safetensors"), *TINY],
         "bad_config": ["--model-kwargs", "depth=2", "init_values=-1"],
         "unknown_variant": ["--variant", "vit_ls_smal_patch16_dinov3"],
-        "run": [
-            "run",
-            str(files / "train_like.py"),
-            "--model",
-            "vit_ls_small_patch16_dinov3",
-            "--model-kwargs",
-            "depth=3",
-            "init_values=off",
-        ],
-        "run_ls_on": [
-            "run",
-            str(files / "train_like.py"),
-            "--model",
-            "vit_ls_small_patch16_dinov3",
-            "--model-kwargs",
-            "depth=3",
-            "init_values=1e-6",
-        ],
+        "run": [*train_like, "depth=3", "init_values=off"],
+        "run_ls_on": [*train_like, "depth=3", "init_values=1e-6"],
         "run_missing": ["run", str(files / "absent.py")],
     }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -123,6 +123,10 @@ def test_features_only_and_pruning(images):
     feats = model(images)
     assert [f.shape for f in feats] == [(2, 64, 3, 5)] * 2
     assert model.feature_info.channels() == [64, 64] and model.feature_info.reduction() == [16, 16]
+    default = timm.create_model("vit_ls_small_patch16_dinov3", features_only=True, **TINY)
+    assert len(default(images)) == 2  # the last four blocks, or all when there are fewer
+    six = timm.create_model("vit_ls_small_patch16_dinov3", features_only=True, depth=6, embed_dim=64, num_heads=4)
+    assert len(six(images)) == 4
     full = tiny(depth=4)
     taken = full.prune_intermediate_layers([1], prune_head=True)
     assert taken == [1] and len(full.blocks) == 2

@@ -17,7 +17,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._pretrained import PretrainedCfg
 
-from .config import VitLsConfig
+from .config import VitLsConfig, parse_scalar
 from .conversion import CheckpointError, checkpoint_filter_fn
 from .model import VisionTransformerLS
 
@@ -29,7 +29,7 @@ VARIANTS: dict[str, Variant] = {}
 
 TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
 TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
-FEATURE_BLOCKS = 4  # features_only returns the last four blocks unless out_indices says otherwise
+FEATURE_BLOCKS = 4  # features_only returns the last four blocks (or all, if fewer) unless out_indices says
 
 
 def config_dir() -> Path:
@@ -134,12 +134,13 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
     if pretrained:
         _check_pretrained_file(kwargs.get("pretrained_cfg_overlay"))
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
+    depth = parse_scalar(model_kwargs.get("depth", VitLsConfig.depth))
     return build_model_with_cfg(
         VisionTransformerLS,
         variant.name,
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=FEATURE_BLOCKS),
+        feature_cfg=dict(feature_cls="getter", out_indices=min(FEATURE_BLOCKS, depth)),
         **model_kwargs,
     )
 
