@@ -7,6 +7,7 @@ other layouts are converted on load by `timm_layerscale.conversion`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -39,7 +40,9 @@ class VisionTransformerLS(nn.Module):
         **overrides: Any,
     ) -> None:
         super().__init__()
-        cfg = (config or VitLsConfig()).replace(**overrides) if overrides else (config or VitLsConfig())
+        cfg = config or VitLsConfig()
+        if overrides:
+            cfg = cfg.replace(**overrides)
         self.config = cfg
         self.num_classes = cfg.num_classes
         self.global_pool = cfg.global_pool
@@ -50,7 +53,7 @@ class VisionTransformerLS(nn.Module):
         self.dynamic_img_size = cfg.dynamic_img_size
         self.grad_checkpointing = False
 
-        with torch.device(device or "cpu"):
+        with torch.device(device) if device is not None else nullcontext():
             self._build(cfg)
         if dtype is not None:
             self.to(dtype=dtype)
