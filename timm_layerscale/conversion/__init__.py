@@ -45,31 +45,30 @@ def unwrap_checkpoint(checkpoint: Any) -> StateDict:
     return {k: v for k, v in checkpoint.items() if isinstance(v, torch.Tensor)}
 
 
-def _fill_missing(sd: StateDict, expected: StateDict, model: nn.Module) -> list[str]:
-    """Fills what a layout does not carry, from the model's own values; returns what it filled."""
-    own = dict(model.state_dict())
+# Keys a layout may lack that the model's own fresh value fills, by key ending.
+OWN_VALUE_FILLS = {
+    "attn.qkv.bias_mask": "qkv bias masks (k masked)",
+    "rope_embed.periods": "the default RoPE periods",
+    "head.weight": "the model's fresh classifier head",
+    "head.bias": "the model's fresh classifier head",
+}
+
+
+def _fill_missing(sd: StateDict, expected: StateDict) -> list[str]:
+    """Fills what a layout does not carry; returns what it filled. A misshapen head is replaced too."""
     filled = []
     for key, target in expected.items():
-        if key in sd and sd[key].shape == target.shape:
-            continue
-        if key in sd and key != "head.weight" and key != "head.bias":
-            if key == "mask_token" and sd[key].numel() == target.numel():
-                sd[key] = sd[key].reshape(target.shape)
-            continue  # a shape mismatch, reported by the completeness check
+        if key in sd and (sd[key].shape == target.shape or not key.startswith("head.")):
+            continue  # present, or misshapen: the completeness check reports that
+        norm_key = "norm." + key.partition(".")[2]
         if key.endswith("attn.qkv.bias"):
             sd[key], what = torch.zeros(target.shape), "zero qkv biases"
-        elif key == "local_cls_norm.weight" or key == "local_cls_norm.bias":
-            if "norm" + key[len("local_cls_norm") :] not in sd:
-                continue
-            sd[key], what = sd["norm" + key[len("local_cls_norm") :]].clone(), "local_cls_norm from norm"
         elif key == "mask_token":
             sd[key], what = torch.zeros(target.shape), "a zero mask_token"
-        elif key.endswith("attn.qkv.bias_mask"):
-            sd[key], what = own[key].clone(), "qkv bias masks (k masked)"
-        elif key == "rope_embed.periods":
-            sd[key], what = own[key].clone(), "the default RoPE periods"
-        elif key in ("head.weight", "head.bias"):
-            sd[key], what = own[key].clone(), "the model's fresh classifier head"
+        elif key.startswith("local_cls_norm.") and norm_key in sd:
+            sd[key], what = sd[norm_key].clone(), "local_cls_norm from norm"
+        elif what := next((v for k, v in OWN_VALUE_FILLS.items() if key.endswith(k)), None):
+            sd[key] = target.clone()
         else:
             continue
         if what not in filled:
@@ -143,7 +142,7 @@ def convert_state_dict(checkpoint: Any, model: nn.Module) -> tuple[StateDict, li
         getattr(config, "layer_init_values", []),
         strict=getattr(config, "strict_layer_scale", False),
     )
-    filled = _fill_missing(sd, expected, model)
+    filled = _fill_missing(sd, expected)
     _check_complete(sd, expected, layout, model)
     lines = [f"loaded a {layout} checkpoint"]
     if filled:
