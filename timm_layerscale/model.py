@@ -118,7 +118,7 @@ class VisionTransformerLS(nn.Module):
         self.cls_norm = norm_layer(dim) if cfg.cls_norm else None
         self.local_cls_norm = norm_layer(dim) if cfg.local_cls_norm else None
         self.head_drop = nn.Dropout(cfg.drop_rate)
-        self.head = self._make_head(cfg.num_classes, cfg.global_pool)
+        self.head = self._make_head(cfg.num_classes)
         if self.cls_token.device.type != "meta":
             self.init_weights()
 
@@ -148,9 +148,8 @@ class VisionTransformerLS(nn.Module):
     def head_hidden_size(self) -> int:
         return self.embed_dim * 2 if self.global_pool == "cls_avg" else self.embed_dim
 
-    def _make_head(self, num_classes: int, global_pool: str) -> nn.Module:
-        in_features = self.embed_dim * 2 if global_pool == "cls_avg" else self.embed_dim
-        return nn.Linear(in_features, num_classes) if num_classes > 0 else nn.Identity()
+    def _make_head(self, num_classes: int) -> nn.Module:
+        return nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
@@ -176,9 +175,8 @@ class VisionTransformerLS(nn.Module):
         self.config = self.config.replace(num_classes=num_classes, global_pool=global_pool)  # validates
         self.global_pool = global_pool
         self.num_classes = num_classes
-        device = self.cls_token.device
-        with torch.device(device):
-            self.head = self._make_head(num_classes, self.global_pool).to(dtype=self.cls_token.dtype)
+        with torch.device(self.cls_token.device):
+            self.head = self._make_head(num_classes).to(dtype=self.cls_token.dtype)
 
     # ------------------------------------------------------------------------------------------ forward
 
