@@ -64,6 +64,7 @@ def test_bad_init_values_name_key_value_and_allowed(value, message):
     [
         ({"ffn_layer": "geglu"}, "ffn_layer: got 'geglu'; allowed: one of"),
         ({"num_heads": 5}, "num_heads: got 5; allowed: a divisor of embed_dim=64"),
+        ({"depth": "abc"}, "depth: got 'abc'; allowed: a positive integer"),
         ({"drop_path_rate": 1.5}, "drop_path_rate: got 1.5"),
         ({"global_pool": "mean"}, "global_pool: got 'mean'"),
         ({"stochastic_depth": "layer"}, "stochastic_depth: got 'layer'"),

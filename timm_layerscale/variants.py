@@ -17,7 +17,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._pretrained import PretrainedCfg
 
-from .config import VitLsConfig, parse_scalar
+from .config import VitLsConfig
 from .conversion import CheckpointError, checkpoint_filter_fn
 from .model import VisionTransformerLS
 
@@ -134,13 +134,14 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
     if pretrained:
         _check_pretrained_file(kwargs.get("pretrained_cfg_overlay"))
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
-    depth = parse_scalar(model_kwargs.get("depth", VitLsConfig.depth))
+    # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
+    config = VitLsConfig.from_dict({k: v for k, v in model_kwargs.items() if k in VitLsConfig.field_names()})
     return build_model_with_cfg(
         VisionTransformerLS,
         variant.name,
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(feature_cls="getter", out_indices=min(FEATURE_BLOCKS, depth)),
+        feature_cfg=dict(feature_cls="getter", out_indices=min(FEATURE_BLOCKS, config.depth)),
         **model_kwargs,
     )
 
