@@ -107,16 +107,9 @@ class VitLsConfig:
         return 1 + self.num_storage_tokens
 
     def validate(self) -> None:
-        for name in ("patch_size", "in_chans", "embed_dim", "depth", "num_heads", "swiglu_align_to"):
-            _require(
-                name,
-                getattr(self, name),
-                isinstance(getattr(self, name), int) and getattr(self, name) > 0,
-                "a positive integer",
-            )
-        for name in ("num_storage_tokens", "num_classes"):
-            value = getattr(self, name)
-            _require(name, value, isinstance(value, int) and value >= 0, "an integer >= 0")
+        for names, ok, allowed in _FIELD_RULES:
+            for name in names:
+                _require(name, getattr(self, name), ok(getattr(self, name)), allowed)
         _require(
             "num_heads",
             self.num_heads,
@@ -136,23 +129,45 @@ class VitLsConfig:
             ("global_pool", GLOBAL_POOLS),
         ):
             _require(name, getattr(self, name), getattr(self, name) in allowed, f"one of {allowed}")
-        for name in ("ffn_ratio", "rope_base", "norm_eps"):
-            _require(
-                name,
-                getattr(self, name),
-                _is_number(getattr(self, name)) and getattr(self, name) > 0,
-                "a positive number",
-            )
-        for name in ("drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"):
-            value = getattr(self, name)
-            _require(name, value, _is_number(value) and 0 <= value < 1, "a number in [0, 1)")
-        for name in ("rope_shift_coords",):
-            value = getattr(self, name)
-            _require(name, value, value is None or (_is_number(value) and value >= 0), "null or a number >= 0")
-        for name in ("rope_jitter_coords", "rope_rescale_coords"):
-            value = getattr(self, name)
-            _require(name, value, value is None or (_is_number(value) and value >= 1), "null or a number >= 1")
-        for name in (
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: got {value!r}; allowed: {allowed}")
+
+
+def _is_size(value: Any) -> bool:
+    if isinstance(value, int):
+        return value > 0
+    return isinstance(value, Sequence) and len(value) == 2 and all(isinstance(s, int) and s > 0 for s in value)
+
+
+# (fields, check, what is allowed), applied to every field named.
+_FIELD_RULES = (
+    (
+        ("patch_size", "in_chans", "embed_dim", "depth", "num_heads", "swiglu_align_to"),
+        lambda v: isinstance(v, int) and v > 0,
+        "a positive integer",
+    ),
+    (("num_storage_tokens", "num_classes"), lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    (("ffn_ratio", "rope_base", "norm_eps"), lambda v: _is_number(v) and v > 0, "a positive number"),
+    (
+        ("drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"),
+        lambda v: _is_number(v) and 0 <= v < 1,
+        "a number in [0, 1)",
+    ),
+    (("rope_shift_coords",), lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0"),
+    (
+        ("rope_jitter_coords", "rope_rescale_coords"),
+        lambda v: v is None or (_is_number(v) and v >= 1),
+        "null or a number >= 1",
+    ),
+    (
+        (
             "dynamic_img_size",
             "dynamic_img_pad",
             "qkv_bias",
@@ -163,22 +178,12 @@ class VitLsConfig:
             "cls_norm",
             "local_cls_norm",
             "strict_layer_scale",
-        ):
-            _require(name, getattr(self, name), isinstance(getattr(self, name), bool), "true or false")
-        size = self.img_size
-        ok = (isinstance(size, int) and size > 0) or (
-            isinstance(size, Sequence) and len(size) == 2 and all(isinstance(s, int) and s > 0 for s in size)
-        )
-        _require("img_size", size, ok, "a positive integer or a pair of them")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _require(name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}: got {value!r}; allowed: {allowed}")
+        ),
+        lambda v: isinstance(v, bool),
+        "true or false",
+    ),
+    (("img_size",), _is_size, "a positive integer or a pair of them"),
+)
 
 
 def parse_scalar(value: Any) -> Any:

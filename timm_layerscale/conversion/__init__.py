@@ -77,15 +77,14 @@ def _fill_missing(sd: StateDict, expected: StateDict) -> list[str]:
 
 
 # Keys that only some options create, and the option that creates them.
-OPTION_KEYS = (("cls_norm.", "cls_norm"), ("mlp.w1.", "ffn_layer='swiglu'"), ("mlp.fc1.", "ffn_layer='mlp'"))
+# `{}` stands for whether the checkpoint holds the key.
+OPTION_KEYS = (("cls_norm.", "cls_norm={}"), ("mlp.w1.", "ffn_layer='swiglu'"), ("mlp.fc1.", "ffn_layer='mlp'"))
 
 
 def _option_hint(key: str, in_checkpoint: bool) -> str:
     for fragment, option in OPTION_KEYS:
         if fragment in key:
-            if option == "cls_norm":
-                option = f"cls_norm={in_checkpoint}"
-            return f"the model with {option} to match the checkpoint"
+            return f"the model with {option.format(in_checkpoint)} to match the checkpoint"
     return "the variant and options the checkpoint was made for"
 
 
