@@ -15,7 +15,8 @@ from torch import nn
 
 from .errors import CheckpointError
 from .layer_scale import fold_layer_scale, reconcile_layer_scale
-from .layouts import CONVERTERS, StateDict, detect_layout, strip_wrappers
+from .layouts import CONVERTERS, StateDict, detect_layout
+from .reader import open_checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -26,25 +27,6 @@ __all__ = [
 ]
 
 _logger = logging.getLogger("timm_layerscale")
-NESTED_KEYS = ("teacher", "model", "state_dict", "model_ema", "state_dict_ema")
-
-
-def unwrap_checkpoint(checkpoint: Any) -> StateDict:
-    """The tensors of a checkpoint that may nest them under `teacher`/`model`/`state_dict`."""
-    while isinstance(checkpoint, dict) and not any(isinstance(v, torch.Tensor) for v in checkpoint.values()):
-        inner = next((checkpoint[k] for k in NESTED_KEYS if isinstance(checkpoint.get(k), dict)), None)
-        if inner is None:
-            break
-        checkpoint = inner
-    if not isinstance(checkpoint, dict) or not checkpoint:
-        raise CheckpointError(
-            f"the checkpoint holds no state dict (got {type(checkpoint).__name__}"
-            f"{' with keys ' + ', '.join(map(str, list(checkpoint)[:5])) if isinstance(checkpoint, dict) else ''}); "
-            f"pass a file of model weights (.safetensors or a torch state dict)"
-        )
-    return {k: v for k, v in checkpoint.items() if isinstance(v, torch.Tensor)}
-
-
 # Keys a layout may lack that the model's own fresh value fills, by key ending.
 OWN_VALUE_FILLS = {
     "attn.qkv.bias_mask": "qkv bias masks (k masked)",
@@ -114,7 +96,7 @@ def convert_state_dict(checkpoint: Any, model: nn.Module) -> tuple[StateDict, li
 
     Returns the state dict and the report lines (layout, what was filled or dropped, LayerScale).
     """
-    sd = strip_wrappers(unwrap_checkpoint(checkpoint))
+    sd = dict(open_checkpoint(checkpoint).items())
     layout = detect_layout(set(sd))
     if layout is None:
         raise CheckpointError(

@@ -9,24 +9,6 @@ import torch
 
 StateDict = dict[str, torch.Tensor]
 
-# Prefixes that wrap a backbone in training checkpoints and DDP models.
-WRAPPER_PREFIXES = ("module.", "teacher.", "student.", "backbone.", "model_ema.")
-# Keys of pretraining heads and other parts no inference model holds.
-TRAINING_ONLY = re.compile(r"^(dino_head|ibot_head|dino_loss|ibot_patch_loss|koleo_loss|projectors|gram)\.")
-
-
-def strip_wrappers(state_dict: StateDict) -> StateDict:
-    """Removes DDP/teacher/backbone prefixes shared by every key of a backbone, and drops training heads."""
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            inside = [k for k in state_dict if k.startswith(prefix)]
-            if inside and len(inside) >= len(state_dict) // 2:
-                state_dict = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-                changed = True
-    return {k: v for k, v in state_dict.items() if not TRAINING_ONLY.match(k)}
-
 
 def detect_layout(keys: set[str]) -> str | None:
     if "reg_token" in keys or any(k.endswith((".gamma_1", ".gamma_2", ".attn.q_bias")) for k in keys):
