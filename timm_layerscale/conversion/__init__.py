@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import nn
 
+from .convert import Conversion, convert_checkpoint
 from .errors import CheckpointError
 from .fit import Fitted, fit_to_model
 from .layer_scale import fold_layer_scale
@@ -20,7 +21,9 @@ from .reader import LazyCheckpoint, open_checkpoint
 
 __all__ = [
     "CheckpointError",
+    "Conversion",
     "checkpoint_filter_fn",
+    "convert_checkpoint",
     "convert_state_dict",
     "fold_layer_scale",
     "install_load_hook",

@@ -73,14 +73,14 @@ class Plan(Mapping[str, Tensor]):
 
     def __getitem__(self, key: str) -> Tensor:
         step = self._step_of[key]
-        last_step, outputs = self._last
-        if step is not last_step:
+        if self._last[0] is not step:
             self._last = (None, {})  # let the previous step's tensors go before reading the next ones
-            inputs = [None if k is None else self.source[k] for k in step.inputs]
-            made = step.fn(*inputs)
-            outputs = {k: t for k, t in zip(step.outputs, made, strict=True) if t is not None and k in self._infos}
-            self._last = (step, outputs)
-        return outputs[key]
+            made = step.fn(*(None if k is None else self.source[k] for k in step.inputs))
+            self._last = (step, {k: t for k, t in zip(step.outputs, made, strict=True) if k in self._infos})
+        return self._last[1][key]
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self._infos
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._infos)
