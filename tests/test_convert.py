@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -16,13 +18,20 @@ import pytest
 import timm
 import torch
 from conftest import FIXTURES, TINY, max_diff, move_off_init_
+from hub_server import LocalHub, hub_env
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-from timm_layerscale import CheckpointError, VisionTransformerLS, convert_checkpoint, fold_layer_scale
+from timm_layerscale import (
+    CheckpointError,
+    VisionTransformerLS,
+    convert_checkpoint,
+    fold_layer_scale,
+    rename_layer_scale,
+)
 from timm_layerscale.conversion.convert import expected_state, resolve_model
-from timm_layerscale.conversion.layouts import META, TIMM_EVA, TRANSFORMERS
+from timm_layerscale.conversion.layouts import LAYER_SCALE_SPELLINGS, META, TIMM_EVA, TRANSFORMERS
 from timm_layerscale.conversion.reader import LazyCheckpoint, TensorInfo, open_checkpoint
 from timm_layerscale.conversion.targets import save_native
 from timm_layerscale.layers import swiglu_hidden_features
@@ -414,3 +423,80 @@ def test_the_summary_names_the_weights_set_taken(weights, tmp_path):
     assert result.weights == taken and f"weights: {taken})" in result.summary()
     has_gammas = any(k.endswith("gamma") for k in load_file(tmp_path / "out" / "model.safetensors"))
     assert has_gammas == (weights == "raw")
+
+
+# ------------------------------------------------------------------------------------------------- Hub
+
+LOAD_FROM_HUB = """
+import sys
+import timm, timm_layerscale, torch
+from safetensors.torch import load_file, save_file
+
+x = load_file(sys.argv[1])["x"]
+with torch.no_grad():
+    tokens = {name: timm.create_model(name, pretrained=True).eval().forward_features(x) for name in sys.argv[3:]}
+save_file(tokens, sys.argv[2])
+"""
+
+
+def test_converted_folders_load_from_the_hub(tmp_path, images):
+    """`hf-hub:` through the real huggingface_hub client, against the local stand-in for the Hub."""
+    src, expected = make_source("meta", tmp_path)
+    repos = {"native": "someone/vit-ls-tiny", "timm": "someone/eva-tiny"}
+    for target, repo in repos.items():
+        convert(src, tmp_path / "hub" / repo, target)
+    save_file({"x": images}, tmp_path / "x.safetensors")
+    names = [f"hf-hub:{repo}" for repo in repos.values()]
+    with LocalHub(tmp_path / "hub") as hub:
+        args = [sys.executable, "-c", LOAD_FROM_HUB, str(tmp_path / "x.safetensors"), str(tmp_path / "out.safetensors")]
+        env = hub_env(hub, tmp_path / "hf_home")
+        result = subprocess.run([*args, *names], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for repo in repos.values():
+        assert f"GET /{repo}/resolve/main/config.json" in hub.requests
+        assert f"GET /{repo}/resolve/main/model.safetensors" in hub.requests
+    tokens = load_file(tmp_path / "out.safetensors")
+    with torch.no_grad():
+        for name in names:
+            assert max_diff(tokens[name], expected(images)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------ other families
+
+
+def test_a_foreign_family_is_named_when_loading_too(tmp_path):
+    dinov2 = timm.create_model("vit_small_patch14_dinov2", depth=1, embed_dim=64, num_heads=4, img_size=56)
+    save_file(contiguous(dinov2.state_dict()), tmp_path / "dinov2.safetensors")
+    with pytest.raises(CheckpointError, match=r"^this is a DINOv2 checkpoint: .*vit_\*_patch14_dinov2"):
+        timm.create_model(
+            VARIANT["mlp"], pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "dinov2.safetensors"))
+        )
+
+
+@pytest.mark.parametrize("to", LAYER_SCALE_SPELLINGS)
+def test_rename_layer_scale_between_spellings(to):
+    spelled = {
+        "lsN.gamma": ["blocks.0.ls1.gamma", "blocks.0.ls2.gamma"],
+        "gamma_N": ["blocks.0.gamma_1", "blocks.0.gamma_2"],
+        "layer_scaleN.lambda1": ["blocks.0.layer_scale1.lambda1", "blocks.0.layer_scale2.lambda1"],
+    }
+    for source, keys in spelled.items():
+        state = {"cls_token": 0, keys[0]: 1, "blocks.0.attn.proj.weight": 2, keys[1]: 3, "blocks.0.gamma": 4}
+        renamed = rename_layer_scale(state, to)
+        assert list(renamed) == [
+            "cls_token",
+            spelled[to][0],
+            "blocks.0.attn.proj.weight",
+            spelled[to][1],
+            "blocks.0.gamma",
+        ]
+        assert list(renamed.values()) == [0, 1, 2, 3, 4], source
+
+
+def test_rename_layer_scale_refuses_ambiguity():
+    with pytest.raises(ValueError, match=r"allowed: lsN\.gamma, gamma_N, layer_scaleN\.lambda1"):
+        rename_layer_scale({}, "ls_N")
+    with pytest.raises(ValueError, match="under two spellings"):
+        rename_layer_scale({"blocks.0.ls1.gamma": 0, "blocks.0.gamma_1": 1}, "lsN.gamma")
+    hf = transformers_model().state_dict()
+    assert sum(k.endswith("ls1.gamma") for k in rename_layer_scale(hf, "lsN.gamma")) == TINY["depth"]
