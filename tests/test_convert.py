@@ -500,3 +500,48 @@ def test_rename_layer_scale_refuses_ambiguity():
         rename_layer_scale({"blocks.0.ls1.gamma": 0, "blocks.0.gamma_1": 1}, "lsN.gamma")
     hf = transformers_model().state_dict()
     assert sum(k.endswith("ls1.gamma") for k in rename_layer_scale(hf, "lsN.gamma")) == TINY["depth"]
+
+
+# ---------------------------------------------------------------------------------- variants and config
+
+
+def as_hub_folder(folder: Path) -> LazyCheckpoint:
+    """What the reader gives for a Hub folder: its weights, and its config.json as `hub_config`."""
+    inner = open_checkpoint(folder / "model.safetensors")
+    infos = {k: inner.info(k) for k in inner}
+    hub_config = json.loads((folder / "config.json").read_text())
+    return LazyCheckpoint(folder, "Hub folder", inner.weights, infos, inner.__getitem__, inner.close, hub_config)
+
+
+@pytest.mark.parametrize("source", ["hf", "native", "timm"])
+def test_a_hub_folders_config_names_the_architecture(source, tmp_path, images):
+    """No --model: transformers' config gives the heads, ours and timm's the variant and args."""
+    src, expected = make_source(source if source != "timm" else "meta", tmp_path)
+    folder = src.parent
+    if source == "timm":
+        convert(src, tmp_path / "eva", "timm")
+        folder = tmp_path / "eva"
+    result = convert_checkpoint(as_hub_folder(folder), tmp_path / "out", to="native")
+    assert result.reason.startswith("named in config.json" if source != "hf" else "inferred from the shapes and")
+    assert "num_heads=4" in result.reason or source == "native"
+    assert max_diff(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images)) <= 1e-5
+
+
+def test_a_yaml_variant_converts_without_being_registered(tmp_path, images):
+    yaml_file = tmp_path / "my_tiny_vit.yaml"
+    yaml_file.write_text("base: vit_ls_small_patch16_dinov3\nmodel:\n  embed_dim: 64\n  depth: 2\n  num_heads: 4\n")
+    src, expected = make_source("meta", tmp_path)
+    result = convert_checkpoint(src, tmp_path / "out", to="native", model=str(yaml_file))
+    assert result.variant == "my_tiny_vit" and "my_tiny_vit" not in VARIANTS
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architecture"] in VARIANTS and config["model_args"]["embed_dim"] == 64  # a shipped name
+    assert max_diff(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images)) <= 1e-5
+
+
+def test_a_large_conversion_shows_progress(tmp_path, capsys):
+    src, _ = make_source("meta", tmp_path)
+    convert(src, tmp_path / "out", "hf", progress=True)
+    err = capsys.readouterr().err
+    assert "hf out" in err and "100%" in err
+    convert(src, tmp_path / "quiet", "hf")  # small and not on a terminal: no bar
+    assert capsys.readouterr().err == ""

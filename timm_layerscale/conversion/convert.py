@@ -8,6 +8,7 @@ target's architecture (q/k/v biases, RoPE periods) and the gammas that are check
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import math
@@ -371,26 +372,23 @@ def resolve_model(
 ) -> ResolvedModel:
     """The variant and full config for a checkpoint in native keys: `model` if given, else the registered
     variant its shapes match (with the Hub config's architecture where the folder has one)."""
-    from ..variants import VARIANTS, load_variant, register_variant
+    from ..variants import VARIANTS, load_variant
 
     hinted, hub_kwargs, hub_pretrained = hub_model_kwargs(hub_config or {})
-    tag = None
+    variants, tag = dict(VARIANTS), None
     if model and model.endswith((".yaml", ".yml")):
-        names, reason = [load_variant(model).name], f"from {model}"
-        register_variant(model)
+        variant = load_variant(model)  # not registered: the written config names a shipped architecture
+        variants, names, reason = {variant.name: variant}, [variant.name], f"from {model}"
     elif model:
         name, _, tag = model.partition(".")
         if name not in VARIANTS:
-            import difflib
-
             close = difflib.get_close_matches(name, VARIANTS, n=3, cutoff=0.5) or sorted(VARIANTS)
             raise CheckpointError(
                 f"unknown model {name!r}; did you mean {', '.join(close)}? (`timm-ls list` shows all)"
             )
         if tag and tag not in VARIANTS[name].tags:
-            raise CheckpointError(
-                f"{name} has no pretrained tag {tag!r}; its tags: {', '.join(VARIANTS[name].tags) or 'none'}"
-            )
+            tags = ", ".join(VARIANTS[name].tags) or "none"
+            raise CheckpointError(f"{name} has no pretrained tag {tag!r}; its tags: {tags}")
         names, reason, tag = [name], "given", tag or None
     elif hinted:
         names, reason = [hinted], f"named in {CONFIG_FILE}"
@@ -401,7 +399,7 @@ def resolve_model(
     overrides = {**hub_kwargs, **model_kwargs}
     candidates = []
     for name in names:
-        variant = VARIANTS[name]
+        variant = variants[name]
         base = {**variant.model_args, **variant.tag_model_args(tag)}
         try:
             init = _first_init_value(base)
@@ -416,6 +414,8 @@ def resolve_model(
         differences, distance = _differences(infos, expected_state(config), name)
         overridden = sum(base.get(k) != v for k, v in overrides.items())
         candidates.append((bool(differences), overridden, distance, name, config, differences))
+    if not candidates:
+        raise CheckpointError(f"no registered variant builds with {overrides}; pass --model NAME")
     _, _, _, name, config, differences = min(candidates, key=lambda c: c[:4])
     if differences and len(names) > 1:
         more = f" ({len(differences) - 1} more keys differ)" if len(differences) > 1 else ""
