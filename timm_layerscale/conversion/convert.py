@@ -166,7 +166,7 @@ def convert_checkpoint(
         ):
             export.write(tmp, bar)
         return Conversion(
-            source=str(getattr(ckpt, "path", src)) if not isinstance(src, Mapping) else "the state dict",
+            source=str(src) if isinstance(src, (str, Path)) else str(ckpt.path),
             destination=dst,
             target=target.name,
             layout=layout.name,
