@@ -119,8 +119,10 @@ TARGET_PATHS = {"native": "out", "meta": "out.pth", "hf": "out", "timm": "out"}
 def test_every_direction_loads_where_it_lands_with_the_sources_outputs(source, target, tmp_path, images):
     src, expected = make_source(source, tmp_path)
     dst = tmp_path / TARGET_PATHS[target]
+    before = sorted(p.name for p in tmp_path.iterdir())
     result = convert(src, dst, target)
     assert result.layout == {"meta": "meta", "native": "meta", "hf": "transformers", "timm": "timm-eva"}[source]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, dst.name])  # nothing else left
     assert max_diff(tokens_from(target, dst, "mlp")(images), expected(images)) <= 1e-5
 
 
@@ -545,3 +547,69 @@ def test_a_large_conversion_shows_progress(tmp_path, capsys):
     assert "hf out" in err and "100%" in err
     convert(src, tmp_path / "quiet", "hf")  # small and not on a terminal: no bar
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------------------------ values, not just outputs
+
+
+@torch.no_grad()
+def test_imported_qkv_biases_keep_metas_conventions(tmp_path):
+    """A layout without a k bias gives a zero one under Meta's mask (ones, k third zero)."""
+    for source in ("hf", "timm"):
+        (tmp_path / source).mkdir()
+        src, _ = make_source(source, tmp_path / source)
+        convert(src, tmp_path / f"{source}.pth", "meta")
+        state = torch.load(tmp_path / f"{source}.pth", weights_only=True)
+        for i in range(TINY["depth"]):
+            q, k, v = state[f"blocks.{i}.attn.qkv.bias"].chunk(3)
+            assert q.any() and v.any() and not k.any()
+            assert state[f"blocks.{i}.attn.qkv.bias_mask"].tolist() == [1.0] * 64 + [0.0] * 64 + [1.0] * 64
+
+
+@torch.no_grad()
+def test_a_transformers_k_bias_is_read_back(tmp_path, images):
+    model = transformers_model()
+    model.config.key_bias = True
+    with_k = DINOv3ViTModel(model.config).eval()
+    with_k.load_state_dict(model.state_dict(), strict=False)
+    for layer in with_k.model.layer:
+        layer.attention.k_proj.bias.normal_()
+    with_k.save_pretrained(tmp_path / "hf-k")
+    convert(tmp_path / "hf-k" / "model.safetensors", tmp_path / "native", "native")
+    expected = with_k(pixel_values=images).last_hidden_state
+    assert max_diff(tokens_from("native", tmp_path / "native", "mlp")(images), expected) <= 1e-5
+
+
+@torch.no_grad()
+def test_a_model_without_a_bias_mask_loads_the_masked_bias(images):
+    """The mask is folded into the bias when the model has none: Meta's outputs, not the raw bias's."""
+    meta_sd = load_file(FIXTURES / "meta_mlp.safetensors")
+    variant, kwargs = meta_fixture_kwargs("meta_mlp")
+    outputs = load_file(FIXTURES / "meta_mlp_outputs.safetensors")
+    model = timm.create_model(variant, mask_k_bias=False, **kwargs).eval()
+    model.load_state_dict(meta_sd)
+    assert not any(k.endswith("bias_mask") for k in model.state_dict())
+    assert max_diff(model(outputs["input"]), outputs["forward"]) <= 1e-5
+
+
+@torch.no_grad()
+def test_fold_layer_scale_is_recorded_by_timms_own_save(tmp_path, images):
+    model = timm.create_model(VARIANT["mlp"], init_values=1e-5, num_classes=0, **TINY)
+    if not hasattr(model, "_model_args"):
+        pytest.skip("this timm records no model args on save")
+    move_off_init_(model).eval()
+    fold_layer_scale(model)
+    timm.models.save_for_hf(model, str(tmp_path / "timm-save"), safe_serialization=True)
+    config = json.loads((tmp_path / "timm-save" / "config.json").read_text())
+    assert config["model_args"]["init_values"] == 0
+    again = timm.create_model(f"local-dir:{tmp_path / 'timm-save'}", pretrained=True).eval()
+    assert max_diff(again.forward_features(images), model.forward_features(images)) == 0
+
+
+def test_fills_take_the_checkpoints_dtype(tmp_path):
+    model = ours().to(torch.bfloat16)
+    save_file(contiguous(model.state_dict()), tmp_path / "bf16.safetensors")
+    convert(tmp_path / "bf16.safetensors", tmp_path / "hf", "hf", fuse_layerscale=True)
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {v.dtype for v in written.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
