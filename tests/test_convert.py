@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import weakref
@@ -372,6 +373,7 @@ def test_existing_destination_is_kept_unless_overwrite(tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
     convert(src, tmp_path / "out", "native", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.safetensors", "out"]  # the old one is gone
     assert digest(src) == before
     with pytest.raises(CheckpointError, match="would replace the source"):
         convert(src, src, "meta", overwrite=True)
@@ -613,3 +615,31 @@ def test_fills_take_the_checkpoints_dtype(tmp_path):
     written = load_file(tmp_path / "hf" / "model.safetensors")
     assert {v.dtype for v in written.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_native_folder_writes_layer_scale_off_as_zero_and_keeps_what_exists(tmp_path):
+    """timm drops keyword arguments that are None: LayerScale off is written as 0."""
+    model = VisionTransformerLS(VARIANTS[VARIANT["mlp"]].config.replace(init_values=None, **TINY))
+    save_native(model, tmp_path / "off")
+    assert json.loads((tmp_path / "off" / "config.json").read_text())["model_args"]["init_values"] == 0
+    with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
+        save_native(model, tmp_path / "off")
+    save_native(model, tmp_path / "off", overwrite=True)
+
+
+def test_a_failed_rename_restores_the_destination(tmp_path, monkeypatch):
+    src, _ = make_source("meta", tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    replace = os.replace
+
+    def refuse_new(source, target):
+        if ".tmp-" in str(source):
+            raise OSError("rename refused")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", refuse_new)
+    with pytest.raises(OSError, match="rename refused"):
+        convert(src, tmp_path / "out", "native", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["meta.safetensors", "out"])
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.txt"]

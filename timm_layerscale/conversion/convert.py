@@ -177,7 +177,7 @@ def convert_checkpoint(
             nbytes=total,
             seconds=time.perf_counter() - start,
             not_held=export.not_held,
-            report=fitted.report(f"read a {layout.name} checkpoint")[1:],
+            report=fitted.report(),
             warnings=warnings,
         )
 
@@ -192,7 +192,7 @@ def _opened(src: Any, weights: str) -> Iterator[LazyCheckpoint]:
 
 
 def _refuse_to_replace_source(src: Any, dst: Path) -> None:
-    if isinstance(src, Mapping) or not isinstance(src, (str, Path)):
+    if not isinstance(src, (str, Path)):
         return
     source, destination = Path(src).resolve(), dst.resolve()
     if source == destination or destination in source.parents:
@@ -233,14 +233,19 @@ def dominant_dtype(tensors: Mapping[str, Tensor]) -> torch.dtype:
 
 @dataclass
 class _Export:
-    tensors: Mapping[str, Tensor]  # in the target's keys
+    tensors: Plan  # in the target's keys
     write: Callable[[Path, Progress | None], None]  # into the temporary destination
     not_held: list[str]
     warnings: list[str]
 
 
 def _export(
-    to: str, tensors: Mapping[str, Tensor], resolved: ResolvedModel, fill_dtype: torch.dtype, dst: Path, shard: Any
+    to: str,
+    tensors: Plan,
+    resolved: ResolvedModel,
+    fill_dtype: torch.dtype,
+    dst: Path,
+    max_shard_size: int | str,
 ) -> _Export:
     """The target's tensors (its table run over the native plan), how to write them, and what it drops."""
     config = resolved.config
@@ -276,7 +281,7 @@ def _export(
         cfg = transformers_config(config, bool(k_bias_blocks), fill_dtype)
 
         def write_hf(tmp: Path, bar: Progress | None) -> None:
-            write_sharded_safetensors(tmp, out, shard, bar)
+            write_sharded_safetensors(tmp, out, max_shard_size, bar)
             write_text(tmp / CONFIG_FILE, json.dumps(cfg, indent=2))
 
         return _Export(out, write_hf, not_held, warnings)
@@ -319,7 +324,7 @@ def expected_state(config: VitLsConfig) -> dict[str, Tensor]:
     return _expected(json.dumps(config.to_dict(), sort_keys=True))
 
 
-def checkpoint_args(native: Mapping[str, Tensor], fuse_layerscale: bool, init_value: float) -> dict[str, Any]:
+def checkpoint_args(native: Mapping[str, Tensor], init_value: float) -> dict[str, Any]:
     """The model args a checkpoint's keys decide: biases, norms, head, LayerScale per branch, periods."""
     keys = set(native)
     depth = 1 + max((int(k.split(".")[1]) for k in keys if k.startswith("blocks.")), default=-1)
@@ -332,7 +337,7 @@ def checkpoint_args(native: Mapping[str, Tensor], fuse_layerscale: bool, init_va
         "num_classes": native.info("head.weight").shape[0] if "head.weight" in keys else 0,
     }
     branches = [(f"blocks.{i}.ls1.gamma" in keys, f"blocks.{i}.ls2.gamma" in keys) for i in range(depth)]
-    if fuse_layerscale or not any(a or m for a, m in branches):
+    if not any(a or m for a, m in branches):
         args["init_values"] = 0
     elif not all(a and m for a, m in branches):
         args["init_values"] = [{"attn": init_value if a else 0, "mlp": init_value if m else 0} for a, m in branches]
@@ -403,8 +408,8 @@ def resolve_model(
         base = {**variant.model_args, **variant.tag_model_args(tag)}
         try:
             init = _first_init_value(base)
-            args = {**base, **checkpoint_args(native, fuse_layerscale, init), **overrides}
-            if fuse_layerscale:
+            args = {**base, **checkpoint_args(native, init), **overrides}
+            if fuse_layerscale:  # every gamma folds: the model has LayerScale off
                 args["init_values"] = 0
             config = VitLsConfig.from_dict(args, source=f"the args of {name}")
         except ValueError:

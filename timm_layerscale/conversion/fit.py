@@ -41,8 +41,8 @@ class Fitted:
     layer_scale: LayerScalePlan
     warnings: list[str]
 
-    def report(self, first_line: str) -> list[str]:
-        lines = [first_line]
+    def report(self, first_line: str | None = None) -> list[str]:
+        lines = [first_line] if first_line else []
         if self.filled:
             lines.append("filled " + ", ".join(self.filled))
         if self.dropped:

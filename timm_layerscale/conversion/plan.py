@@ -103,7 +103,7 @@ def passthrough(keys: Iterable[str]) -> list[Step]:
     return [Step((key,), (key,)) for key in keys]
 
 
-def cast_plan(plan: Mapping[str, Tensor], dtype: torch.dtype | None, keep: Iterable[str] = ()) -> Mapping[str, Tensor]:
+def cast_plan(plan: Plan, dtype: torch.dtype | None, keep: Iterable[str] = ()) -> Plan:
     """Floating tensors cast to `dtype` as they are read, except the keys in `keep` (e.g. RoPE periods)."""
     if dtype is None:
         return plan

@@ -55,7 +55,7 @@ TARGETS = {
 }
 
 
-def with_all_gammas(tensors: Mapping[str, Tensor], depth: int, dim: int, dtype: torch.dtype) -> Mapping[str, Tensor]:
+def with_all_gammas(tensors: Plan, depth: int, dim: int, dtype: torch.dtype) -> Plan:
     """Adds gammas of 1 where a branch has none: the same outputs in a layout that always has LayerScale."""
     missing = [
         f"blocks.{i}.ls{b}.gamma" for i in range(depth) for b in (1, 2) if f"blocks.{i}.ls{b}.gamma" not in tensors

@@ -163,17 +163,20 @@ def atomic_destination(dst: Path, overwrite: bool = False, folder: bool = False)
         yield tmp
         if dst.exists() or dst.is_symlink():
             os.replace(dst, old)
-        os.replace(tmp, dst)
-        _sync_dir(dst.parent)
+        try:
+            os.replace(tmp, dst)
+        except BaseException:
+            if old.exists():
+                os.replace(old, dst)
+            raise
     except BaseException:
         _remove(tmp)
-        if old.exists() and not dst.exists():
-            os.replace(old, dst)
         for parent in created:  # innermost first
             if parent.exists() and not any(parent.iterdir()):
                 parent.rmdir()
         raise
     _remove(old)
+    _sync_dir(dst.parent)
 
 
 def _remove(path: Path) -> None:
