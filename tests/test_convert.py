@@ -518,7 +518,7 @@ def as_hub_folder(folder: Path) -> LazyCheckpoint:
 
 
 @pytest.mark.parametrize("source", ["hf", "native", "timm"])
-def test_a_hub_folders_config_names_the_architecture(source, tmp_path, images):
+def test_a_folders_config_json_names_the_architecture(source, tmp_path, images):
     """No --model: transformers' config gives the heads, ours and timm's the variant and args."""
     src, expected = make_source(source if source != "timm" else "meta", tmp_path)
     folder = src.parent
@@ -643,3 +643,15 @@ def test_a_failed_rename_restores_the_destination(tmp_path, monkeypatch):
         convert(src, tmp_path / "out", "native", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["meta.safetensors", "out"])
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.txt"]
+
+
+def test_a_timm_config_of_fixed_size_becomes_dynamic(tmp_path):
+    """timm's Hub configs of eva DINOv3 say fixed_input_size; the folder written runs at any size."""
+    src, _ = make_source("meta", tmp_path)
+    convert(src, tmp_path / "eva", "timm")
+    config = json.loads((tmp_path / "eva" / "config.json").read_text())
+    config["pretrained_cfg"]["fixed_input_size"] = True
+    (tmp_path / "eva" / "config.json").write_text(json.dumps(config))
+    convert_checkpoint(as_hub_folder(tmp_path / "eva"), tmp_path / "again", to="timm")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["pretrained_cfg"]["fixed_input_size"] is False and again["model_args"]["dynamic_img_size"] is True
