@@ -61,6 +61,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, model in foreign.items():
         save_file(contiguous(model), root / f"{name}.safetensors")
     (root / "notes.txt").write_text("not a checkpoint\n" * 40)
+    (root / "truncated.safetensors").write_bytes((root / "small.safetensors").read_bytes()[:5000])
     return root
 
 
@@ -87,6 +88,8 @@ def runs(files: Path) -> dict[str, Run]:
             *SMALL,
         ],
         "meta_suffix": ["convert", small, str(files / "x8.onnx"), "--to", "meta", *SMALL],
+        "text_file": ["convert", str(files / "notes.txt"), str(files / "x9"), "--to", "native", *SMALL],
+        "truncated": ["convert", str(files / "truncated.safetensors"), str(files / "x10"), "--to", "hf", *SMALL],
         **{
             name: ["convert", str(files / f"{name}.safetensors"), str(files / f"x-{name}"), "--to", "native"]
             for name in ("dinov2", "deit3", "cait", "hf_dinov2")
@@ -135,6 +138,8 @@ def test_fused_conversion_says_so(runs: dict[str, Run]) -> None:
         ("missing", "absent.pth does not exist"),
         ("nan_strict", "LayerScale gammas are NaN or Inf in blocks 0.attn"),
         ("meta_suffix", "--to meta writes one file: name it .pth or .safetensors"),
+        ("text_file", "notes.txt"),
+        ("truncated", "truncated.safetensors"),
         ("dinov2", "this is a DINOv2 checkpoint: it has a learned position embedding (pos_embed [1, 17, 64])"),
         ("hf_dinov2", "this is a DINOv2 checkpoint: it has a learned position embedding (embeddings.position_embed"),
         ("deit3", "this is a DeiT-III checkpoint: it has a learned position embedding (pos_embed [1, 16, 64])"),

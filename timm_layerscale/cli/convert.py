@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from ..conversion.convert import DTYPES, WEIGHTS, convert_checkpoint
+from ..conversion.reader import open_checkpoint
 from ..conversion.targets import TARGETS
-from .common import parse_model_kwargs
+from .common import READ_ERRORS, CliError, parse_model_kwargs, read_error
 
 EPILOG = """examples:
   timm-ls convert dinov3_vitb16_pretrain.pth vitb16-timm --to timm
@@ -51,18 +52,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def convert(args: argparse.Namespace) -> int:
-    result = convert_checkpoint(
-        args.src,
-        args.dst,
-        to=args.to,
-        model=args.model,
-        model_kwargs=parse_model_kwargs(args.model_kwargs),
-        dtype=args.dtype,
-        weights=args.weights,
-        fuse_layerscale=args.fuse_layerscale,
-        overwrite=args.overwrite,
-        strict=args.strict,
-    )
+    if args.weights not in WEIGHTS:
+        raise CliError(f"unknown weights set {args.weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
+    try:
+        source = open_checkpoint(args.src, args.weights)
+    except READ_ERRORS as exc:
+        raise read_error(args.src, exc) from exc
+    with source:
+        result = convert_checkpoint(
+            source,
+            args.dst,
+            to=args.to,
+            model=args.model,
+            model_kwargs=parse_model_kwargs(args.model_kwargs),
+            dtype=args.dtype,
+            fuse_layerscale=args.fuse_layerscale,
+            overwrite=args.overwrite,
+            strict=args.strict,
+        )
     for warning in result.warnings:
         print(f"timm-ls: warning: {warning}", file=sys.stderr)
     for line in result.report:

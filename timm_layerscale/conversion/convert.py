@@ -192,6 +192,8 @@ def _opened(src: Any, weights: str) -> Iterator[LazyCheckpoint]:
 
 
 def _refuse_to_replace_source(src: Any, dst: Path) -> None:
+    if isinstance(src, LazyCheckpoint):
+        src = src.path
     if not isinstance(src, (str, Path)):
         return
     source, destination = Path(src).resolve(), dst.resolve()
