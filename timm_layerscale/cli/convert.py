@@ -21,7 +21,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "convert",
         help="convert a checkpoint between Meta, transformers, timm eva and native layouts",
-        description=__doc__.split(": ", 1)[1],
+        description="Convert a checkpoint into another layout, tensor by tensor, and say what the target cannot hold.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -31,7 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="a .pth/.bin/.safetensors file, a sharded index, a Hub folder or a torch.distributed.checkpoint folder",
     )
     parser.add_argument("dst", metavar="DST", help="a folder (native, hf, timm) or a .pth/.safetensors file (meta)")
-    parser.add_argument("--to", required=True, metavar="{" + ",".join(TARGETS) + "}", help="the layout to write")
+    targets = "; ".join(f"{t.name}: {t.description}" for t in TARGETS.values())
+    parser.add_argument("--to", required=True, metavar="{" + ",".join(TARGETS) + "}", help=targets)
     parser.add_argument("--model", metavar="NAME[.TAG]|VARIANT.yaml", help="the variant (default: from the shapes)")
     parser.add_argument(
         "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="override its args, e.g. depth=2"

@@ -1,8 +1,11 @@
-"""file -> layout -> mapping -> load: every checkpoint layout becomes this model's own state dict.
+"""file -> layout -> mapping -> load: every checkpoint layout becomes this model's own state dict; and
+model/file -> plan -> target table -> writer: `convert_checkpoint` writes any of them in another layout.
 
-`convert_state_dict` is the one place that does it. timm's `pretrained_filter_fn` calls it, and so does
-a `load_state_dict` pre-hook on every model, because `timm.models.load_checkpoint`, `checkpoint_path=`,
-train.py's `--initial-checkpoint` and validate.py's `--checkpoint` load without any filter.
+Both run on the same per-layout key tables (`layouts.py`) and fitting rules (`fit.py`), planned from
+shapes and read one tensor at a time. `convert_state_dict` is the one place loading does it. timm's
+`pretrained_filter_fn` calls it, and so does a `load_state_dict` pre-hook on every model, because
+`timm.models.load_checkpoint`, `checkpoint_path=`, train.py's `--initial-checkpoint` and validate.py's
+`--checkpoint` load without any filter.
 """
 
 from __future__ import annotations

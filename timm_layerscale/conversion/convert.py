@@ -262,10 +262,13 @@ def _export(
             [],
         )
 
-    full = with_all_gammas(tensors, config.depth, config.embed_dim, fill_dtype)
+    target = TARGETS[to]
+    full = (
+        with_all_gammas(tensors, config.depth, config.embed_dim, fill_dtype) if target.always_layer_scale else tensors
+    )
     qv_bias, k_bias_blocks = _bias_parts(full, config.depth)
     options = {"hf": {"k_bias": bool(k_bias_blocks)}, "timm": {"qkv_bias": qv_bias}}.get(to, {})
-    out, unheld = TARGETS[to].layout.from_native(full, **options)
+    out, unheld = target.layout.from_native(full, **options)
     groups = unheld_groups(unheld)
     not_held = [f"{g} ({UNHELD_NOTES[g]})" if g in UNHELD_NOTES else g for g in groups]
     warnings = [f"{to} cannot hold {g}: {UNHELD_NOTES[g]}" for g in groups if g in OUTPUT_CHANGING]
