@@ -121,9 +121,9 @@ def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
         return
     if path.is_dir():
         raise CheckpointError(
-            f"{path} is a folder, not a checkpoint file (a sharded training checkpoint?); consolidate it "
-            f"into one state-dict file first (torch.distributed.checkpoint.format_utils.dcp_to_torch_save) "
-            f"and pass that file"
+            f"{path} is a folder, not a checkpoint file (a sharded training checkpoint?); consolidate it with "
+            f"`timm-ls convert {path} OUT --to native` (tensors only, one at a time) and load OUT with "
+            f"timm.create_model('local-dir:OUT', pretrained=True)"
         )
     raise CheckpointError(f"checkpoint file {path} does not exist; pass the path of a .safetensors or .pth file")
 
@@ -166,6 +166,20 @@ def register_variant(source: str | Path | dict[str, Any], name: str | None = Non
     VARIANTS[variant.name] = variant
     register_model(entrypoint)
     return variant.name
+
+
+def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
+    """A shipped variant to name in a saved config: `name` if it is one, else the one whose arguments
+    differ least from `config` (the saved config carries every argument, so any shipped name rebuilds it)."""
+    shipped = {n: v for n, v in VARIANTS.items() if Path(v.source).parent == config_dir()}
+    if name in shipped:
+        return name
+    values = config.to_dict()
+
+    def differing(variant: Variant) -> int:
+        return sum(values.get(k) != v for k, v in variant.model_args.items())
+
+    return min(sorted(shipped), key=lambda n: differing(shipped[n]))
 
 
 def register_builtin_variants() -> None:
