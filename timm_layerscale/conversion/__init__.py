@@ -109,10 +109,11 @@ def _check_complete(sd: StateDict, expected: StateDict, layout: str, model: nn.M
         )
 
 
-def convert_state_dict(checkpoint: Any, model: nn.Module) -> tuple[StateDict, list[str]]:
+def convert_state_dict(checkpoint: Any, model: nn.Module, pretrained: bool = False) -> tuple[StateDict, list[str]]:
     """Converts any supported checkpoint to `model`'s own keys, complete, or raises `CheckpointError`.
 
     Returns the state dict and the report lines (layout, what was filled or dropped, LayerScale).
+    `pretrained` marks a pretrained load, the only kind that `reinit_layer_scale` re-initialises.
     """
     sd = strip_wrappers(unwrap_checkpoint(checkpoint))
     layout = detect_layout(set(sd))
@@ -140,6 +141,7 @@ def convert_state_dict(checkpoint: Any, model: nn.Module) -> tuple[StateDict, li
         expected,
         getattr(config, "layer_init_values", []),
         strict=getattr(config, "strict_layer_scale", False),
+        reinit=pretrained and getattr(config, "reinit_layer_scale", False),
     )
     filled = _fill_missing(sd, expected)
     _check_complete(sd, expected, layout, model)
@@ -156,15 +158,19 @@ def _log(lines: list[str]) -> None:
     for line in lines:
         if line.startswith("WARNING: "):
             _logger.warning(line[len("WARNING: ") :])
-        elif "folded" in line or "set " in line:
+        elif any(word in line for word in ("folded", "set ", "re-initialised")):
             _logger.warning(line)
         else:
             _logger.info(line)
 
 
 def checkpoint_filter_fn(state_dict: Any, model: nn.Module) -> StateDict:
-    """timm's `pretrained_filter_fn`: converts before timm adapts input channels or the classifier."""
-    converted, lines = convert_state_dict(state_dict, model)
+    """timm's `pretrained_filter_fn`: converts before timm adapts input channels or the classifier.
+
+    Only pretrained loads (`pretrained=True`, train.py's `--pretrained`) pass through here; resuming and
+    `--initial-checkpoint` reach the load hook alone, so `reinit_layer_scale` never touches their gammas.
+    """
+    converted, lines = convert_state_dict(state_dict, model, pretrained=True)
     model._pending_load_report = lines
     return converted
 

@@ -38,8 +38,13 @@ def reconcile_layer_scale(
     expected: dict[str, torch.Tensor],
     init_values: list[tuple[float | None, float | None]],
     strict: bool,
+    reinit: bool = False,
 ) -> tuple[str, list[str]]:
-    """Makes the file's gammas fit the model's LayerScale setting, in place. Returns (summary, warnings)."""
+    """Makes the file's gammas fit the model's LayerScale setting, in place. Returns (summary, warnings).
+
+    `reinit` sets the gammas the model keeps to their `init_values` instead (LayerScale's muted start on a
+    pretrained trunk); gammas the model has no LayerScale for are still folded.
+    """
     file_gammas = {k for k in state_dict if GAMMA_KEY.match(k)}
     model_gammas = {k for k in expected if GAMMA_KEY.match(k)}
     kept = sorted(file_gammas & model_gammas, key=_block_order)
@@ -61,6 +66,13 @@ def reconcile_layer_scale(
             state_dict[f"{proj}.bias"] = bias
         del state_dict[key]
 
+    restarted = sorted(kept + missing, key=_block_order) if reinit else []
+    for key in restarted:
+        block, branch = _block_order(key)
+        state_dict[key] = torch.full(expected[key].shape, init_values[block][branch - 1], dtype=torch.float32)
+    if reinit:
+        kept, missing = [], []
+
     if missing and strict:
         raise CheckpointError(
             f"the checkpoint has no LayerScale gammas ({missing[0]} and {len(missing) - 1} more) but the model "
@@ -72,6 +84,8 @@ def reconcile_layer_scale(
 
     warnings = _suspicious_gammas(state_dict, kept, init_values)
     parts = []
+    if restarted:
+        parts.append(f"re-initialised {len(restarted)} gammas to init_values (reinit_layer_scale=True)")
     if kept:
         parts.append(f"kept {len(kept)} gammas from the checkpoint")
     if to_fold:
