@@ -6,6 +6,8 @@ editable): what runs is the installed start-up file, exactly as users get it. Th
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.metadata
 import os
 import pkgutil
@@ -30,6 +32,8 @@ UNKNOWN = f"Unknown model ({NAME})"
 USE = f"""
 import sys
 startup = sorted(m for m in ("torch", "timm", "timm_layerscale", "yaml") if m in sys.modules)
+import _timm_layerscale_autoregister
+_timm_layerscale_autoregister.install()  # a second call adds nothing
 hooks = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "TimmImportHook"]
 print("startup", startup, hooks)
 import timm, torch
@@ -164,15 +168,15 @@ def test_installed_start_up_files_are_recorded_and_run_after_editable_finders() 
     distribution = importlib.metadata.distribution("timm-layerscale")
     files = {f.name: f for f in distribution.files if f.name.startswith("timm_layerscale-autoregister.")}
     assert sorted(files) == ["timm_layerscale-autoregister.pth", "timm_layerscale-autoregister.start"]
-    for record in files.values():
-        path = Path(record.locate())
-        assert record.hash is not None and record.size == path.stat().st_size  # in RECORD: uninstall removes it
+    for record in files.values():  # listed in RECORD, so that uninstalling removes them
+        digest = hashlib.sha256(Path(record.locate()).read_bytes()).digest()
+        assert record.hash.value == base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
     pth, start = (Path(files[n].locate()) for n in sorted(files))
     assert str(pth.parent) in site.getsitepackages() and start.parent == pth.parent
     assert pth.read_text() == "import _timm_layerscale_autoregister; _timm_layerscale_autoregister.install()\n"
     assert pkgutil.resolve_name(start.read_text().strip()) is autoregister.install  # PEP 829, Python 3.15+
-    editable = sorted(p.name for p in pth.parent.glob("__editable__*.pth"))
-    assert sorted([*editable, pth.name])[-1] == pth.name  # site runs .pth files in name order
+    editable = [p.name for p in pth.parent.glob("__editable__*.pth")] + ["__editable__.timm_layerscale-9.pth"]
+    assert max([*editable, pth.name]) == pth.name  # site runs .pth files in name order
 
 
 def test_the_switch_reads_common_spellings_of_off(monkeypatch: pytest.MonkeyPatch) -> None:
