@@ -45,6 +45,9 @@ class _Loader:
         self.loader = loader
         self.finder = finder
 
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)  # get_code, get_resource_reader, ... for callers of find_spec
+
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
@@ -58,18 +61,22 @@ class _Loader:
 class TimmImportHook:
     """A `sys.meta_path` finder that acts on `import timm` only: the other finders locate timm as usual."""
 
+    searching = False  # set while asking the other finders, one of which may ask this one back
+
     def find_spec(self, name, path=None, target=None):
-        if name != "timm":
+        if name != "timm" or self.searching:
             return None
-        for finder in list(sys.meta_path):
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, self)
-                return spec
-        return None
+        self.searching = True
+        try:
+            spec = next(filter(None, (f.find_spec(name, path, target) for f in self._others())), None)
+        finally:
+            self.searching = False
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _Loader(spec.loader, self)
+        return spec
+
+    def _others(self):
+        return [f for f in sys.meta_path if f is not self and hasattr(f, "find_spec")]
 
     def remove(self) -> None:
         if self in sys.meta_path:

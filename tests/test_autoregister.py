@@ -36,6 +36,15 @@ import _timm_layerscale_autoregister
 _timm_layerscale_autoregister.install()  # a second call adds nothing
 hooks = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "TimmImportHook"]
 print("startup", startup, hooks)
+
+class Watch:  # sees the registration start: timm's own import must be complete by then
+    def find_spec(self, name, path=None, target=None):
+        if name == "timm_layerscale" and "timm" in sys.modules:
+            print("registering after timm's import:", hasattr(sys.modules["timm"], "get_pretrained_cfg_value"))
+
+sys.meta_path.insert(0, Watch())
+# A second finder of this kind (another package's, say) asks the others too: neither may recurse.
+sys.meta_path.insert(0, _timm_layerscale_autoregister.TimmImportHook())
 import timm, torch
 
 def build(name, **kwargs):
@@ -123,6 +132,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     return {name: Run(procs[name].returncode, *out) for name, out in outputs.items()}
 
 
+REGISTERING = "registering after timm's import: True"
+
+
 def test_interpreter_start_imports_neither_torch_nor_timm(runs: dict[str, Run]) -> None:
     assert runs["on"].stdout.splitlines()[0] == "startup [] ['TimmImportHook']"
 
@@ -130,28 +142,32 @@ def test_interpreter_start_imports_neither_torch_nor_timm(runs: dict[str, Run]) 
 def test_importing_timm_registers_the_variants(runs: dict[str, Run]) -> None:
     run = runs["on"]
     assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert lines[1] == "by name VisionTransformerLS 2"
-    assert lines[2] == "local-dir True"  # a folder saved from a vit_ls model rebuilds
-    assert lines[3] == "after True SourceFileLoader []"  # timm keeps its own loader; the hook is gone
+    assert run.stdout.splitlines()[1:] == [
+        REGISTERING,
+        "by name VisionTransformerLS 2",
+        "local-dir True",  # a folder saved from a vit_ls model rebuilds
+        "after True SourceFileLoader []",  # timm keeps its own loader; the hook is gone
+    ]
 
 
 def test_switched_off_both_fail_as_timm_does(runs: dict[str, Run]) -> None:
     run = runs["off"]
     assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert lines[0] == "startup [] []"
-    assert lines[1] == lines[2] == f"error {UNKNOWN}"
-    assert lines[3] == "after False SourceFileLoader []"
-    assert lines[4] == "late install True"  # installed after timm's import: registers at once
+    assert run.stdout.splitlines() == [
+        "startup [] []",
+        f"error {UNKNOWN}",
+        f"error {UNKNOWN}",
+        "after False SourceFileLoader []",
+        REGISTERING,  # installed after timm's import: registers at once
+        "late install True",
+    ]
 
 
 def test_a_failed_registration_warns_and_leaves_timm_working(runs: dict[str, Run]) -> None:
     run = runs["broken"]
     assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert lines[1] == lines[2] == f"error {UNKNOWN}"
-    assert lines[3] == "after False SourceFileLoader []"
+    after = "after False SourceFileLoader []"
+    assert run.stdout.splitlines()[1:] == [REGISTERING, f"error {UNKNOWN}", f"error {UNKNOWN}", after]
     assert "RuntimeWarning: timm-layerscale could not register the vit_ls_* models with timm " in run.stderr
     assert "(ImportError: this copy of timm_layerscale is broken); timm works without them" in run.stderr
     assert run.stderr.count("could not register") == 1
