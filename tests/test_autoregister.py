@@ -43,8 +43,11 @@ class Watch:  # sees the registration start: timm's own import must be complete 
             print("registering after timm's import:", hasattr(sys.modules["timm"], "get_pretrained_cfg_value"))
 
 sys.meta_path.insert(0, Watch())
-# A second finder of this kind (another package's, say) asks the others too: neither may recurse.
-sys.meta_path.insert(0, _timm_layerscale_autoregister.TimmImportHook())
+if sys.argv[3] == "on":  # a second finder that asks the others (another package's, say): neither may recurse
+    sys.meta_path.insert(0, _timm_layerscale_autoregister.TimmImportHook())
+import importlib.util
+spec = importlib.util.find_spec("timm")  # "is timm installed?", as transformers asks, before any import
+print("find_spec", spec.loader.is_package("timm"))
 import timm, torch
 
 def build(name, **kwargs):
@@ -62,7 +65,7 @@ if model is not None:
     print("local-dir", all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()))
 print("after", "timm_layerscale" in sys.modules, type(timm.__spec__.loader).__name__,
       [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "TimmImportHook"])
-if len(sys.argv) > 3:  # timm already imported when the hook is installed: it registers at once
+if sys.argv[3] == "off":  # timm already imported when the hook is installed: it registers at once
     import os
     os.environ["TIMM_LAYERSCALE_AUTOREGISTER"] = "1"
     import _timm_layerscale_autoregister
@@ -117,9 +120,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     base.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     use = [sys.executable, str(root / "use.py"), str(root / "saved"), str(root / "expected.pth")]
     cases = {
-        "on": (use, {}),
-        "off": ([*use, "late"], {autoregister.SWITCH: "0"}),
-        "broken": (use, {"PYTHONPATH": str(root / "broken")}),
+        "on": ([*use, "on"], {}),
+        "off": ([*use, "off"], {autoregister.SWITCH: "0"}),
+        "broken": ([*use, "broken"], {"PYTHONPATH": str(root / "broken")}),
         "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "-m", "workers_probe"], {}),
     }
     procs = {
@@ -143,6 +146,7 @@ def test_importing_timm_registers_the_variants(runs: dict[str, Run]) -> None:
     run = runs["on"]
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[1:] == [
+        "find_spec True",
         REGISTERING,
         "by name VisionTransformerLS 2",
         "local-dir True",  # a folder saved from a vit_ls model rebuilds
@@ -155,6 +159,7 @@ def test_switched_off_both_fail_as_timm_does(runs: dict[str, Run]) -> None:
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines() == [
         "startup [] []",
+        "find_spec True",
         f"error {UNKNOWN}",
         f"error {UNKNOWN}",
         "after False SourceFileLoader []",
@@ -167,7 +172,7 @@ def test_a_failed_registration_warns_and_leaves_timm_working(runs: dict[str, Run
     run = runs["broken"]
     assert run.returncode == 0, run.stderr
     after = "after False SourceFileLoader []"
-    assert run.stdout.splitlines()[1:] == [REGISTERING, f"error {UNKNOWN}", f"error {UNKNOWN}", after]
+    assert run.stdout.splitlines()[1:] == ["find_spec True", REGISTERING, f"error {UNKNOWN}", f"error {UNKNOWN}", after]
     assert "RuntimeWarning: timm-layerscale could not register the vit_ls_* models with timm " in run.stderr
     assert "(ImportError: this copy of timm_layerscale is broken); timm works without them" in run.stderr
     assert run.stderr.count("could not register") == 1
