@@ -45,8 +45,11 @@ class _Loader:
         self.loader = loader
         self.finder = finder
 
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)  # get_code, get_resource_reader, ... for callers of find_spec
+    def __getattr__(self, name: str):  # get_code, is_package, ... for callers of find_spec("timm")
+        loader = self.__dict__.get("loader")
+        if loader is None:  # a copy under construction: no recursion through self.loader
+            raise AttributeError(name)
+        return getattr(loader, name)
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
