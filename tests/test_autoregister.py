@@ -21,6 +21,7 @@ import pytest
 import timm
 import torch
 from conftest import TINY
+from hub_server import LocalHub, hub_env
 from timm.models import save_for_hf
 
 import _timm_layerscale_autoregister as autoregister
@@ -59,10 +60,12 @@ def build(name, **kwargs):
 model = build("{NAME}", **{TINY!r})
 if model is not None:
     print("by name", type(model).__name__, len(model.blocks))
-model = build("local-dir:" + sys.argv[1], pretrained=True)
-if model is not None:
-    expected = torch.load(sys.argv[2], weights_only=True)
-    print("local-dir", all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()))
+expected = torch.load(sys.argv[2], weights_only=True)
+names = ["local-dir:" + sys.argv[1]] + (["hf-hub:someone/their-vit-ls"] if sys.argv[3] == "on" else [])
+for name in names:
+    model = build(name, pretrained=True)
+    if model is not None:
+        print(name.split(":")[0], all(torch.equal(v, expected[k]) for k, v in model.state_dict().items()))
 print("after", "timm_layerscale" in sys.modules, type(timm.__spec__.loader).__name__,
       [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "TimmImportHook"])
 if sys.argv[3] == "off":  # timm already imported when the hook is installed: it registers at once
@@ -110,6 +113,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     root = tmp_path_factory.mktemp("autoregister")
     model = timm.create_model(NAME, num_classes=3, **TINY)
     save_for_hf(model, root / "saved", safe_serialization=True)
+    save_for_hf(model, root / "hub" / "someone" / "their-vit-ls", safe_serialization=True)
     torch.save(model.state_dict(), root / "expected.pth")
     (root / "use.py").write_text(USE)
     (root / "workers_probe.py").write_text(WORKERS)
@@ -125,13 +129,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         "broken": ([*use, "broken"], {"PYTHONPATH": str(root / "broken")}),
         "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "-m", "workers_probe"], {}),
     }
-    procs = {
-        name: subprocess.Popen(
-            args, cwd=root, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for name, (args, env) in cases.items()
-    }
-    outputs = {name: p.communicate(timeout=300) for name, p in procs.items()}
+    with LocalHub(root / "hub") as hub:  # "on" also builds hf-hub:someone/their-vit-ls from it
+        online = {k: v for k, v in hub_env(hub, root / "hf_home").items() if k.startswith("HF_")}
+        envs = {name: {**base, **extra} for name, (_, extra) in cases.items()}
+        envs["on"] = {k: v for k, v in {**envs["on"], **online}.items() if k != "HF_HUB_OFFLINE"}
+        procs = {
+            name: subprocess.Popen(
+                args, cwd=root, env=envs[name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            for name, (args, _) in cases.items()
+        }
+        outputs = {name: p.communicate(timeout=300) for name, p in procs.items()}
     return {name: Run(procs[name].returncode, *out) for name, out in outputs.items()}
 
 
@@ -150,6 +158,7 @@ def test_importing_timm_registers_the_variants(runs: dict[str, Run]) -> None:
         REGISTERING,
         "by name VisionTransformerLS 2",
         "local-dir True",  # a folder saved from a vit_ls model rebuilds
+        "hf-hub True",  # and so does a Hub repository of one
         "after True SourceFileLoader []",  # timm keeps its own loader; the hook is gone
     ]
 
