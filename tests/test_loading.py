@@ -7,7 +7,8 @@ import timm
 import torch
 from conftest import FIXTURES, TINY, max_diff, move_off_init_
 from safetensors.torch import load_file, save_file
-from timm.models import load_checkpoint
+from test_reference_parity import eva_reference, transformers_reference
+from timm.models import load_checkpoint, save_for_hf
 
 from timm_layerscale import CheckpointError, convert_state_dict
 
@@ -50,11 +51,69 @@ def test_wrapped_meta_checkpoints_load(wrap, tmp_path, images):
     assert max_diff(from_file(tmp_path / "ckpt.pth").forward_features(images), source.forward_features(images)) == 0
 
 
-def test_sharded_folder_gets_a_clear_error(tmp_path):
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match=r"is a folder, not a checkpoint file .* consolidate"):
-        from_file(tmp_path / "ckpt")
+def layout_file(layout: str, root):
+    """A checkpoint file in each layout the package reads, and what its source model computes."""
+    if layout == "transformers":
+        reference = transformers_reference("mlp")
+        reference.save_pretrained(root)
+        return root / "model.safetensors", lambda x: reference(pixel_values=x).last_hidden_state
+    if layout == "timm-eva":
+        reference = eva_reference("mlp")
+        save_file(reference.state_dict(), root / "eva.safetensors")
+        return root / "eva.safetensors", reference.forward_features
+    reference = source_model(rope_periods_bf16=False)
+    torch.save({"teacher": {f"backbone.{k}": v for k, v in reference.state_dict().items()}}, root / "meta.pth")
+    return root / "meta.pth", reference.forward_features
+
+
+KWARGS = dict(TINY, num_classes=5, rope_periods_bf16=False)
+
+
+def validate_checkpoint(path):
+    model = timm.create_model(NAME, **KWARGS)
+    load_checkpoint(model, str(path), use_ema=False)
+    return model
+
+
+# What train.py and validate.py do with a file path, with a new head for `--num-classes 5`.
+LOADERS = {
+    "--pretrained --pretrained-path": lambda path: timm.create_model(
+        NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(path), num_classes=-1), **KWARGS
+    ),
+    "--initial-checkpoint": lambda path: timm.create_model(NAME, checkpoint_path=str(path), **KWARGS),
+    "validate.py --checkpoint": validate_checkpoint,
+}
+
+
+@pytest.mark.parametrize("layout", ["meta", "transformers", "timm-eva"])
+@torch.no_grad()
+def test_every_loading_flag_reads_every_layout(layout, tmp_path, images):
+    path, reference = layout_file(layout, tmp_path)
+    expected = reference(images)
+    for flag, load in LOADERS.items():
+        model = load(path).eval()
+        assert max_diff(model.forward_features(images), expected) <= 1e-5, flag
+        assert model(images).shape == (2, 5), flag
+
+
+@pytest.mark.parametrize("folder", ["transformers", "timm", "sharded"])
+def test_folder_layouts_are_pointed_at_convert(folder, tmp_path):
+    """timm opens checkpoint paths itself and reads one file: folders are converted to one first."""
+    if folder == "transformers":
+        transformers_reference("mlp").save_pretrained(tmp_path / "ckpt")
+    elif folder == "timm":
+        save_for_hf(timm.create_model(NAME, **TINY), tmp_path / "ckpt", safe_serialization=True)
+    else:
+        (tmp_path / "ckpt").mkdir()
+        (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
+    folder_path = tmp_path / "ckpt"
+    expected = (
+        f"{folder_path} is a folder, not a checkpoint file: timm reads weights from one file; convert the folder "
+        f"first with `timm-ls convert {folder_path} ckpt.safetensors --to meta` and pass that file"
+    )
+    with pytest.raises(CheckpointError) as info:
+        from_file(folder_path)
+    assert str(info.value) == expected
     with pytest.raises(CheckpointError, match="does not exist"):
         from_file(tmp_path / "nope.pth")
 

@@ -12,6 +12,7 @@ from .conversion import (
     fold_layer_scale,
     rename_layer_scale,
 )
+from .fsdp import shard_model
 from .model import VisionTransformerLS
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
 
@@ -30,6 +31,7 @@ __all__ = [
     "register_variant",
     "rename_layer_scale",
     "resolve_init_values",
+    "shard_model",
 ]
 
 register_builtin_variants()

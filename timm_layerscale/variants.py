@@ -121,9 +121,8 @@ def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
         return
     if path.is_dir():
         raise CheckpointError(
-            f"{path} is a folder, not a checkpoint file (a sharded training checkpoint?); consolidate it with "
-            f"`timm-ls convert {path} OUT --to native` (tensors only, one at a time) and load OUT with "
-            f"timm.create_model('local-dir:OUT', pretrained=True)"
+            f"{path} is a folder, not a checkpoint file: timm reads weights from one file; convert the folder "
+            f"first with `timm-ls convert {path} {path.name}.safetensors --to meta` and pass that file"
         )
     raise CheckpointError(f"checkpoint file {path} does not exist; pass the path of a .safetensors or .pth file")
 

@@ -37,28 +37,34 @@ __all__ = [
 _logger = logging.getLogger("timm_layerscale")
 
 
-def plan_load(checkpoint: Any, model: nn.Module) -> Fitted:
+def plan_load(checkpoint: Any, model: nn.Module, pretrained: bool = False) -> Fitted:
     """Plans loading any supported checkpoint into `model` (live or on the meta device), reading nothing
     but the gammas it checks: `plan_load(...).plan.items()` yields the model's keys and tensors one by one,
-    in the model's order. Raises `CheckpointError` for what cannot load."""
+    in the model's order. Raises `CheckpointError` for what cannot load.
+
+    `pretrained` marks a pretrained load, the only kind that `reinit_layer_scale` re-initialises.
+    """
     source = checkpoint if isinstance(checkpoint, LazyCheckpoint) else open_checkpoint(checkpoint)
     layout = detect_layout(source)
     name = getattr(model, "pretrained_cfg", {}).get("architecture") or type(model).__name__
+    config = getattr(model, "config", None)
     return fit_to_model(
         layout.to_native(source),
         model.state_dict(),
         layout=layout.name,
         model_name=name,
-        config=getattr(model, "config", None),
+        config=config,
+        reinit_layer_scale=pretrained and getattr(config, "reinit_layer_scale", False),
     )
 
 
-def convert_state_dict(checkpoint: Any, model: nn.Module) -> tuple[StateDict, list[str]]:
+def convert_state_dict(checkpoint: Any, model: nn.Module, pretrained: bool = False) -> tuple[StateDict, list[str]]:
     """Converts any supported checkpoint to `model`'s own keys, complete, or raises `CheckpointError`.
 
     Returns the state dict and the report lines (layout, what was filled or dropped, LayerScale).
+    `pretrained` marks a pretrained load, the only kind that `reinit_layer_scale` re-initialises.
     """
-    fitted = plan_load(checkpoint, model)
+    fitted = plan_load(checkpoint, model, pretrained)
     return dict(fitted.plan.items()), fitted.report(f"loaded a {fitted.layout} checkpoint")
 
 
@@ -66,15 +72,19 @@ def _log(lines: list[str]) -> None:
     for line in lines:
         if line.startswith("WARNING: "):
             _logger.warning(line[len("WARNING: ") :])
-        elif "folded" in line or "set " in line:
+        elif any(word in line for word in ("folded", "set ", "re-initialised")):
             _logger.warning(line)
         else:
             _logger.info(line)
 
 
 def checkpoint_filter_fn(state_dict: Any, model: nn.Module) -> StateDict:
-    """timm's `pretrained_filter_fn`: converts before timm adapts input channels or the classifier."""
-    converted, lines = convert_state_dict(state_dict, model)
+    """timm's `pretrained_filter_fn`: converts before timm adapts input channels or the classifier.
+
+    Only pretrained loads (`pretrained=True`, train.py's `--pretrained`) pass through here; resuming and
+    `--initial-checkpoint` reach the load hook alone, so `reinit_layer_scale` never touches their gammas.
+    """
+    converted, lines = convert_state_dict(state_dict, model, pretrained=True)
     model._pending_load_report = lines
     return converted
 

@@ -59,6 +59,7 @@ def fit_to_model(
     model_name: str,
     config=None,
     fill_dtype: torch.dtype = torch.float32,
+    reinit_layer_scale: bool = False,
 ) -> Fitted:
     """Plans `native` (a checkpoint in native keys) into exactly `expected`'s keys and shapes, or raises.
 
@@ -82,7 +83,12 @@ def fit_to_model(
             continue
         del steps[key]
 
-    layer_scale = plan_layer_scale(infos, expected, strict=getattr(config, "strict_layer_scale", False))
+    strict = getattr(config, "strict_layer_scale", False)
+    layer_scale = plan_layer_scale(infos, expected, strict=strict, reinit=reinit_layer_scale)
+    for key in layer_scale.restarted:
+        block, branch = GAMMA_KEY.match(key).groups()
+        init_value = config.layer_init_values[int(block)][int(branch) - 1]
+        steps[key] = _constant(key, torch.full(expected[key].shape, init_value, dtype=fill_dtype))
     for step in layer_scale.fold_steps(set(infos)):
         for key in step.outputs:
             steps[key] = step

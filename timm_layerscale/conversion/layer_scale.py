@@ -46,11 +46,13 @@ def _fold(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, 
 
 @dataclass
 class LayerScalePlan:
-    """What loading does with each gamma: keep it, fold it into `proj` before it, or set it to 1."""
+    """What loading does with each gamma: keep it, fold it into `proj` before it, set it to 1, or restart it
+    at its `init_values` (`reinit_layer_scale` on a pretrained load)."""
 
     kept: list[str]
     folded: list[tuple[str, str]]  # (gamma key, projection prefix)
     missing: list[str]
+    restarted: list[str]
 
     def fold_steps(self, present: set[str]) -> list[Step]:
         steps = []
@@ -61,6 +63,8 @@ class LayerScalePlan:
 
     def summary(self) -> str:
         parts = []
+        if self.restarted:
+            parts.append(f"re-initialised {len(self.restarted)} gammas to init_values (reinit_layer_scale=True)")
         if self.kept:
             parts.append(f"kept {len(self.kept)} gammas from the checkpoint")
         if self.folded:
@@ -77,9 +81,13 @@ class LayerScalePlan:
 
 
 def plan_layer_scale(
-    infos: Mapping[str, TensorInfo], expected: Mapping[str, Any], strict: bool = False
+    infos: Mapping[str, TensorInfo], expected: Mapping[str, Any], strict: bool = False, reinit: bool = False
 ) -> LayerScalePlan:
-    """Matches the checkpoint's gammas (native keys) to the model's LayerScale setting; nothing is read."""
+    """Matches the checkpoint's gammas (native keys) to the model's LayerScale setting; nothing is read.
+
+    `reinit` restarts every gamma the model holds at its init value instead (LayerScale's muted start on a
+    pretrained trunk); gammas the model has no LayerScale for are still folded.
+    """
     file_gammas = {k for k in infos if GAMMA_KEY.match(k)}
     model_gammas = {k for k in expected if GAMMA_KEY.match(k)}
     folded = []
@@ -93,14 +101,17 @@ def plan_layer_scale(
                 f"with init_values set (e.g. init_values=1e-5) so the checkpoint's gammas load as they are"
             )
         folded.append((key, proj))
+    kept = sorted(file_gammas & model_gammas, key=_block_order)
     missing = sorted(model_gammas - file_gammas, key=_block_order)
+    if reinit:
+        return LayerScalePlan([], folded, [], sorted(kept + missing, key=_block_order))
     if missing and strict:
         raise CheckpointError(
             f"the checkpoint has no LayerScale gammas ({missing[0]} and {len(missing) - 1} more) but the model "
             f"has LayerScale on; build it with init_values=0 to match the checkpoint, or leave "
             f"strict_layer_scale off to set the gammas to 1"
         )
-    return LayerScalePlan(sorted(file_gammas & model_gammas, key=_block_order), folded, missing)
+    return LayerScalePlan(kept, folded, missing, [])
 
 
 def _block_order(key: str) -> tuple[int, int]:
