@@ -5,7 +5,9 @@ import pickle
 import pytest
 import timm
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import FIXTURES, TINY, max_diff, move_off_init_
+from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file, save_file
 from timm.models import load_checkpoint
 
@@ -50,13 +52,36 @@ def test_wrapped_meta_checkpoints_load(wrap, tmp_path, images):
     assert max_diff(from_file(tmp_path / "ckpt.pth").forward_features(images), source.forward_features(images)) == 0
 
 
-def test_sharded_folder_gets_a_clear_error(tmp_path):
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match=r"is a folder, not a checkpoint file .* consolidate"):
-        from_file(tmp_path / "ckpt")
+def test_folders_and_indexes_point_at_convert(tmp_path):
+    """timm reads one file: a training folder gets the command that makes one (never torch's dcp_to_torch_save)."""
+    state = {"model": source_model().state_dict()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt" / "99"), no_dist=True)
+    with pytest.raises(CheckpointError) as info:
+        from_file(tmp_path / "ckpt" / "99")
+    assert str(info.value) == (
+        f"{tmp_path / 'ckpt' / '99'} is a distributed checkpoint, and pretrained loading reads one weights file; "
+        f"convert it first (timm-ls convert {tmp_path / 'ckpt' / '99'} 99_native.safetensors --to native) and pass "
+        f"99_native.safetensors"
+    )
+    (tmp_path / "sharded").mkdir()
+    save_torch_state_dict(source_model().state_dict(), tmp_path / "sharded", max_shard_size=20_000)
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is a sharded safetensors, .* convert"):
+        from_file(tmp_path / "sharded" / "model.safetensors.index.json")
     with pytest.raises(CheckpointError, match="does not exist"):
         from_file(tmp_path / "nope.pth")
+
+
+@torch.no_grad()
+def test_hub_folder_points_at_its_weights_file(tmp_path, images):
+    source = source_model()
+    save_file(source.state_dict(), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text('{"architecture": "vit_ls_small_patch16_dinov3"}')
+    with pytest.raises(
+        CheckpointError, match=f"is a Hub folder; pass its weights file {tmp_path / 'model.safetensors'}$"
+    ):
+        from_file(tmp_path)
+    loaded = from_file(tmp_path / "model.safetensors")
+    assert max_diff(loaded.forward_features(images), source.forward_features(images)) == 0
 
 
 def test_unrecognised_layout_names_what_it_saw(tmp_path):
@@ -140,9 +165,9 @@ def test_malicious_pickle_is_never_executed(tmp_path):
             return (open, (str(marker), "w"))
 
     (tmp_path / "evil.pth").write_bytes(pickle.dumps({"cls_token": Exploit()}, protocol=2))
-    refused = (pickle.UnpicklingError, RuntimeError)  # timm wraps the refusal in RuntimeError since 1.0.26
-    with pytest.raises(refused, match=r"(?i)weights.only"):
+    with pytest.raises(CheckpointError, match=r"refused to read .*evil.pth: it is a Python pickle.*nothing was run"):
         from_file(tmp_path / "evil.pth")
+    refused = (pickle.UnpicklingError, RuntimeError)  # timm wraps the refusal in RuntimeError since 1.0.26
     with pytest.raises(refused, match=r"(?i)weights.only"):
         load_checkpoint(timm.create_model(NAME, **TINY), str(tmp_path / "evil.pth"))
     assert not marker.exists()
