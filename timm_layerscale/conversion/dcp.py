@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, torch_load_error
 
 METADATA_FILE = ".metadata"
 
@@ -146,6 +146,7 @@ def tensor_items(metadata: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
 def tensor_reader(folder: Path, metadata: Any) -> Callable[[str], torch.Tensor]:
     """`read(key)` loads that one tensor item with DCP's own file reader and planner, without a process group."""
     from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     items = tensor_items(metadata)
@@ -166,14 +167,19 @@ def tensor_reader(folder: Path, metadata: Any) -> Callable[[str], torch.Tensor]:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
                 load(target, storage_reader=Reader(folder), planner=TensorsOnly(), no_dist=True)
-        except CheckpointError:
-            raise
+        except CheckpointException as exc:  # DCP wraps what failed, per rank
+            failure = next(iter(exc.failures.values()))[0]
+            if isinstance(failure, CheckpointError):
+                raise failure from None
+            raise _read_error(folder, key, failure) from failure
         except Exception as exc:
-            reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-            raise CheckpointError(
-                f"{folder}: tensor {key} could not be read ({reason}); the checkpoint is truncated or corrupt: "
-                f"copy the whole folder again"
-            ) from exc
+            raise _read_error(folder, key, exc) from exc
         return target[key]
 
     return read
+
+
+def _read_error(folder: Path, key: str, exc: BaseException) -> CheckpointError:
+    return torch_load_error(
+        folder, exc, f"distributed checkpoint: its tensor {key} failed", "copy the whole folder again"
+    )

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import dcp
-from .errors import CheckpointError
+from .errors import CheckpointError, reason, torch_load_error
 from .sniff import PASS_WEIGHTS, sniff
 
 Weights = Literal["auto", "ema", "raw"]
@@ -227,7 +227,7 @@ def _flat_safetensors(path: Path) -> _Flat:
             infos[key] = TensorInfo(torch.Size(view.get_shape()), _safetensors_dtype(view.get_dtype(), key, path))
     except SafetensorError as exc:
         raise CheckpointError(
-            f"{path} is a truncated or corrupt safetensors file ({_reason(exc)}); save or download it again"
+            f"{path} is a truncated or corrupt safetensors file ({reason(exc)}); save or download it again"
         ) from exc
     return _Flat(KIND_SAFETENSORS, infos, handle.get_tensor, (path,))
 
@@ -245,27 +245,8 @@ def _flat_torch(path: Path, legacy: bool) -> _Flat:
         with torch.serialization.safe_globals([argparse.Namespace]):  # timm's train.py saves its args
             tree = torch.load(path, map_location="cpu", mmap=not legacy, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for refused or damaged files
-        raise _load_error(path, exc) from exc
+        raise torch_load_error(path, exc) from exc
     return _flat_tree(tree, KIND_LEGACY_TORCH if legacy else KIND_TORCH, str(path), (path,))
-
-
-def _load_error(path: Path | str, exc: BaseException) -> CheckpointError:
-    """A torch.load failure as one line: a refused pickle (with what it asked for) or a damaged file."""
-    message = str(exc)
-    if "weights only" in message.lower() or "weights_only" in message:
-        wanted = re.search(r"GLOBAL ([\w.]+)", message)
-        needs = f" ({wanted.group(1)})" if wanted else ""
-        return CheckpointError(
-            f"refused to load {path}: it is a pickle that needs objects other than tensors{needs}, which could run "
-            f"code (nothing was run); use a file you trust saved as a plain state dict or .safetensors"
-        )
-    return CheckpointError(
-        f"{path} is a truncated or corrupt torch checkpoint ({_reason(exc)}); save or download it again"
-    )
-
-
-def _reason(exc: BaseException) -> str:
-    return " ".join(str(exc).split()).split(". ")[0][:200] or type(exc).__name__
 
 
 def _flat_dcp(folder: Path) -> _Flat:
@@ -284,7 +265,7 @@ def _flat_index(index: Path) -> _Flat:
     try:
         data = json.loads(index.read_text())
     except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{index} is not a valid JSON index ({_reason(exc)}); download it again") from exc
+        raise CheckpointError(f"{index} is not a valid JSON index ({reason(exc)}); download it again") from exc
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index} has no weight_map of keys to shard files; pass a sharded checkpoint's index")
@@ -346,7 +327,7 @@ def _open_folder(folder: Path) -> _Flat:
             try:
                 flat.hub_config = json.loads(config_path.read_text())
             except (ValueError, OSError) as exc:
-                raise CheckpointError(f"{config_path} is not valid JSON ({_reason(exc)}); download it again") from exc
+                raise CheckpointError(f"{config_path} is not valid JSON ({reason(exc)}); download it again") from exc
             flat.kind = KIND_HUB_FOLDER
         return flat
     indexes = sorted(folder.glob("*.safetensors.index.json"))

@@ -1,0 +1,282 @@
+"""Files that are not checkpoints, or are damaged: one line naming what the file is and the fix, and nothing run.
+
+Each case goes through the reader, `timm.create_model(..., pretrained=True, pretrained_cfg_overlay=dict(file=...))`
+and `timm-ls --checkpoint`, which must all give the same line.
+"""
+
+import io
+import json
+import pickle
+import random
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from timm_layerscale.cli import main
+from timm_layerscale.conversion import CheckpointError
+from timm_layerscale.conversion.reader import open_checkpoint
+
+NAME = "vit_ls_small_patch16_dinov3"
+ASSETS = Path(__file__).resolve().parent.parent / "timm_layerscale" / "assets"
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+class Exploit:
+    """Unpickling this creates the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def weights() -> dict[str, torch.Tensor]:
+    return {"cls_token": torch.randn(1, 1, 64), "blocks.0.attn.qkv.weight": torch.randn(192, 64)}
+
+
+def image_bytes(fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def write(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
+def make_safetensors(path: Path) -> bytes:
+    save_file(weights(), path)
+    return path.read_bytes()
+
+
+def make_torch(path: Path) -> bytes:
+    torch.save(weights(), path)
+    return path.read_bytes()
+
+
+def make_zip(path: Path, names: list[str]) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name in names:
+            archive.writestr(name, b"hello")
+    return path
+
+
+def make_index(folder: Path, shards: dict[str, str], saved: dict[str, dict[str, torch.Tensor]]) -> Path:
+    folder.mkdir()
+    for name, sd in saved.items():
+        save_file(sd, folder / name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+    return folder / "model.safetensors.index.json"
+
+
+def folder_with(folder: Path, files: dict[str, bytes]) -> Path:
+    folder.mkdir()
+    for name, content in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(content)
+    return folder
+
+
+# (case, builds the input in a temp folder, expected message with {path} for the input's path)
+CASES: list[tuple[str, Callable[[Path], Path], str]] = [
+    ("missing", lambda d: d / "absent.safetensors", "checkpoint {path} does not exist; pass a weights file"),
+    ("empty", lambda d: write(d / "empty.pth", b""), "{path} is empty (0 bytes): its save or download did not"),
+    (
+        "safetensors cut in the data",
+        lambda d: write(d / "cut.safetensors", make_safetensors(d / "full.safetensors")[:-100]),
+        "{path} is a truncated or corrupt safetensors file (Error while deserializing header: incomplete metadata",
+    ),
+    (
+        "safetensors cut in the header",
+        lambda d: write(d / "cut.safetensors", make_safetensors(d / "full.safetensors")[:60]),
+        "{path} is a truncated safetensors file: its header needs",
+    ),
+    (
+        "safetensors header overwritten",
+        lambda d: write(d / "bad.safetensors", b"\x20\x00\x00\x00\x00\x00\x00\x00{" + b"\x00" * 64),
+        "{path} is a truncated or corrupt safetensors file (Error while deserializing header",
+    ),
+    (
+        "torch zip cut short",
+        lambda d: write(d / "cut.pth", make_torch(d / "full.pth")[:700]),
+        "{path} is a truncated or corrupt zip file (",
+    ),
+    (
+        "torch zip with its pickle overwritten",
+        lambda d: write(d / "bad.pth", make_torch(d / "full.pth").replace(b"\x80\x02}q", b"\x80\x02\x00\x00")),
+        "{path} is a truncated or corrupt torch checkpoint (Unsupported operand 0); save or download it again",
+    ),
+    (
+        "legacy torch cut short",
+        lambda d: write(d / "cut.pth", b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19.\x80\x02M\xe9"),
+        "{path} is a truncated or corrupt torch checkpoint (unpack requires a buffer of 2 bytes); save or",
+    ),
+    (
+        "zip of other files",
+        lambda d: make_zip(d / "photos.zip", ["a.jpg", "b.jpg", "c.jpg", "d.jpg"]),
+        "{path} is a zip archive but not a torch checkpoint (it holds a.jpg, b.jpg, c.jpg, ...); unpack it",
+    ),
+    (
+        "npz",
+        lambda d: (np.savez(d / "arrays.npz", a=np.zeros(3)), d / "arrays.npz")[1],
+        "{path} is a NumPy .npz archive, not a torch checkpoint",
+    ),
+    (
+        "random bytes",
+        lambda d: write(d / "random.pth", random.Random(0).randbytes(10_000)),
+        "{path} is not a checkpoint: it is neither safetensors nor a torch file (it starts with bytes "
+        "cd 07 2c d8 be 6f 9f 62)",
+    ),
+    ("short notes", lambda d: write(d / "notes.txt", b"lr 1e-4 looked best\n"), "{path} is a text file, not a"),
+    (
+        "notes without a suffix",
+        lambda d: write(d / "notes", b"model: vit_ls_small_patch16_dinov3\nTODO: fine-tune \xc3\xa9\n" * 3),
+        "{path} is a text file, not a checkpoint; pass a weights file (.safetensors, .pth, .bin) or a checkpoint "
+        "folder",
+    ),
+    ("README", lambda d: write(d / "README.md", README.read_bytes()), "{path} is a Markdown file, not a checkpoint"),
+    (
+        "long text named .pth",
+        lambda d: write(d / "model.pth", README.read_bytes() * 10),
+        "{path} is a text file (Markdown or a script?), not a checkpoint",
+    ),
+    (
+        "YAML",
+        lambda d: write(d / "variant.yaml", b"base: vit_ls_small_patch16_dinov3\nmodel:\n  depth: 2\n"),
+        "{path} is a YAML file, not a checkpoint",
+    ),
+    ("JSON", lambda d: write(d / "results.json", b'{"top1": 84.1}'), "{path} is a JSON file, not a checkpoint"),
+    (
+        "JSON list without a suffix",
+        lambda d: write(d / "results", b' [{"top1": 84.1}]'),
+        "{path} is a JSON file, not a checkpoint",
+    ),
+    (
+        "a Hub config instead of its folder",
+        lambda d: folder_with(d / "repo", {"config.json": b'{"model_type": "dinov3_vit"}'}) / "config.json",
+        "{path} is a JSON file, not a checkpoint; pass a weights file (.safetensors, .pth, .bin) or a checkpoint "
+        "folder (config.json is a model config: pass its folder",
+    ),
+    ("PNG", lambda d: write(d / "shapes.png", (ASSETS / "shapes_256x256.png").read_bytes()), "{path} is a PNG image"),
+    ("JPEG", lambda d: write(d / "photo.pth", image_bytes("JPEG")), "{path} is a JPEG image, not a checkpoint"),
+    ("GIF", lambda d: write(d / "anim.gif", image_bytes("GIF")), "{path} is a GIF image, not a checkpoint"),
+    (
+        "gzip",
+        lambda d: write(d / "model.pth.gz", b"\x1f\x8b\x08\x00" + b"\x00" * 40),
+        "{path} is a gzip archive, not a checkpoint",
+    ),
+    (
+        "plain pickle",
+        lambda d: write(d / "weights.pkl", pickle.dumps({"cls_token": Exploit(d / "marker")})),
+        "refused to read {path}: it is a Python pickle, not a torch or safetensors checkpoint, and unpickling it "
+        "could run code (nothing was run)",
+    ),
+    (
+        "torch zip with code in it",
+        lambda d: (torch.save({"model": weights(), "x": Exploit(d / "marker")}, d / "evil.pth"), d / "evil.pth")[1],
+        "refused to load {path}: it is a pickle that needs objects other than tensors (io.open), which could "
+        "run code (nothing was run)",
+    ),
+    (
+        "legacy torch with code in it",
+        lambda d: (
+            torch.save({"x": Exploit(d / "marker")}, d / "evil.pth", _use_new_zipfile_serialization=False),
+            d / "evil.pth",
+        )[1],
+        "refused to load {path}: it is a pickle that needs objects other than tensors (io.open)",
+    ),
+    (
+        "torch file without tensors",
+        lambda d: (torch.save({"epoch": 3, "arch": "vit"}, d / "meta.pth"), d / "meta.pth")[1],
+        "{path} holds no tensors (got dict with keys epoch, arch); pass a weights file",
+    ),
+    (
+        "one DCP data file",
+        lambda d: write(d / "__0_0.distcp", make_torch(d / "full.pth")),
+        "{path} is one data file of a distributed checkpoint (torch.distributed.checkpoint); pass its folder",
+    ),
+    (
+        "folder without weights",
+        lambda d: folder_with(d / "run", {"log.txt": b"loss 1.0\n", "config.json": b"{}"}),
+        "{path} is a folder with no checkpoint in it (no .metadata, model.safetensors, pytorch_model.bin or "
+        "*.safetensors.index.json); pass a weights file",
+    ),
+    (
+        "folder with one loose weights file",
+        lambda d: folder_with(d / "run", {"log.txt": b"loss\n", "last.pth": b"x"}),
+        "{path} is a folder with no checkpoint in it (no .metadata, model.safetensors, pytorch_model.bin or "
+        "*.safetensors.index.json); pass the file {path}/last.pth",
+    ),
+    (
+        "index naming a missing shard",
+        lambda d: make_index(
+            d / "repo", {"cls_token": "a.safetensors", "x": "b.safetensors"}, {"a.safetensors": weights()}
+        ),
+        "{path} names shard b.safetensors, which is missing; download every shard it lists",
+    ),
+    (
+        "index naming a key its shard lacks",
+        lambda d: make_index(d / "repo", {"pos_embed": "a.safetensors"}, {"a.safetensors": weights()}),
+        "{path} puts pos_embed in a.safetensors, which does not hold it; the index and shards do not match",
+    ),
+    (
+        "index naming a shard outside its folder",
+        lambda d: make_index(d / "repo", {"cls_token": "../a.safetensors"}, {}),
+        "{path} names shard '../a.safetensors' outside its folder; the index is corrupt",
+    ),
+    (
+        "index without a weight map",
+        lambda d: write(d / "model.safetensors.index.json", b'{"metadata": {}}'),
+        "{path} has no weight_map of keys to shard files",
+    ),
+    (
+        "index that is not JSON",
+        lambda d: write(d / "model.safetensors.index.json", b'{"weight_map": '),
+        "{path} is not a valid JSON index (Expecting value",
+    ),
+]
+
+
+@pytest.fixture(params=CASES, ids=[case[0] for case in CASES])
+def bad_input(request, tmp_path) -> tuple[Path, str]:
+    _, build, expected = request.param
+    path = build(tmp_path)
+    return path, expected.format(path=path)
+
+
+def test_the_reader_names_what_the_file_is(bad_input, tmp_path):
+    path, expected = bad_input
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(path)
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+    assert not (tmp_path / "marker").exists()
+
+
+def test_create_model_gives_the_same_line(bad_input, tmp_path):
+    path, expected = bad_input
+    with pytest.raises(CheckpointError) as info:
+        timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), depth=1)
+    assert expected in str(info.value)
+    assert not (tmp_path / "marker").exists()
+
+
+@pytest.mark.parametrize("case", ["short notes", "README", "random bytes", "torch zip with code in it", "missing"])
+def test_cli_prints_one_line_and_exits_2(case, tmp_path, capsys):
+    _, build, expected = next(c for c in CASES if c[0] == case)
+    path = build(tmp_path)
+    assert main(["--checkpoint", str(path), "--model-kwargs", "depth=1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"timm-ls: error: {expected.format(path=path)}") and err.count("\n") == 1
+    assert not (tmp_path / "marker").exists()
