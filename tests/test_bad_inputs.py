@@ -7,6 +7,7 @@ and `timm-ls --checkpoint`, which must all give the same line.
 import io
 import json
 import pickle
+import pickletools
 import random
 import zipfile
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 
 from timm_layerscale.cli import main
 from timm_layerscale.conversion import CheckpointError
+from timm_layerscale.conversion.errors import reason
 from timm_layerscale.conversion.reader import open_checkpoint
 
 NAME = "vit_ls_small_patch16_dinov3"
@@ -40,6 +42,16 @@ class Exploit:
 
 def weights() -> dict[str, torch.Tensor]:
     return {"cls_token": torch.randn(1, 1, 64), "blocks.0.attn.qkv.weight": torch.randn(192, 64)}
+
+
+def legacy_header() -> bytes:
+    """What torch.save's legacy format writes before the object: its magic number, protocol and sizes."""
+    buffer = io.BytesIO()
+    torch.save(1, buffer, _use_new_zipfile_serialization=False)
+    data, end = buffer.getvalue(), 0
+    for _ in range(3):  # three pickles, each ending at its STOP opcode
+        end += 1 + max(pos for _, _, pos in pickletools.genops(data[end:]))
+    return data[:end]
 
 
 def image_bytes(fmt: str) -> bytes:
@@ -195,6 +207,11 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
         "refused to load {path}: it is a pickle that needs objects other than tensors (io.open)",
     ),
     (
+        "legacy torch that builds a dict",
+        lambda d: write(d / "odd.pth", legacy_header() + b"\x80\x02}}b."),
+        "refused to load {path}: it is a pickle that needs objects other than tensors, which could run code",
+    ),
+    (
         "torch file without tensors",
         lambda d: (torch.save({"epoch": 3, "arch": "vit"}, d / "meta.pth"), d / "meta.pth")[1],
         "{path} holds no tensors (got dict with keys epoch, arch); pass a weights file",
@@ -215,6 +232,19 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
         lambda d: folder_with(d / "run", {"log.txt": b"loss\n", "last.pth": b"x"}),
         "{path} is a folder with no checkpoint in it (no .metadata, model.safetensors, pytorch_model.bin or "
         "*.safetensors.index.json); pass the file {path}/last.pth",
+    ),
+    ("a device", lambda d: Path("/dev/null"), "/dev/null is not a regular file (a device or pipe?); pass a"),
+    (
+        "Hub folder with a broken config",
+        lambda d: folder_with(
+            d / "repo", {"config.json": b'{"model_type": ', "pytorch_model.bin": make_torch(d / "w.pth")}
+        ),
+        "{path}/config.json is not valid JSON (Expecting value",
+    ),
+    (
+        "Hub folder with a config that is a list",
+        lambda d: folder_with(d / "repo", {"config.json": b"[1]", "pytorch_model.bin": make_torch(d / "w.pth")}),
+        "{path}/config.json is not a model config (a JSON object); download it again",
     ),
     (
         "index naming a missing shard",
@@ -280,3 +310,10 @@ def test_cli_prints_one_line_and_exits_2(case, tmp_path, capsys):
     assert out == ""
     assert err.startswith(f"timm-ls: error: {expected.format(path=path)}") and err.count("\n") == 1
     assert not (tmp_path / "marker").exists()
+
+
+def test_reasons_stay_short():
+    assert reason(ValueError("x" * 200)) == "x" * 200
+    assert reason(ValueError("x" * 201)) == "x" * 200 + "..."
+    assert reason(ValueError("first part. second\n  part")) == "first part"
+    assert reason(ValueError("")) == "ValueError"

@@ -328,6 +328,8 @@ def _open_folder(folder: Path) -> _Flat:
                 flat.hub_config = json.loads(config_path.read_text())
             except (ValueError, OSError) as exc:
                 raise CheckpointError(f"{config_path} is not valid JSON ({reason(exc)}); download it again") from exc
+            if not isinstance(flat.hub_config, dict):
+                raise CheckpointError(f"{config_path} is not a model config (a JSON object); download it again")
             flat.kind = KIND_HUB_FOLDER
         return flat
     indexes = sorted(folder.glob("*.safetensors.index.json"))
@@ -358,8 +360,10 @@ def _folder_hint(folder: Path) -> str:
 def _open_path(path: Path) -> _Flat:
     if path.is_dir():
         return _open_folder(path)
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist; {PASS_WEIGHTS}")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file (a device or pipe?); {PASS_WEIGHTS}")
     return _open_file(path)
 
 
