@@ -9,6 +9,7 @@ import json
 import pickle
 import pickletools
 import random
+import tarfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +80,12 @@ def make_zip(path: Path, names: list[str]) -> Path:
     with zipfile.ZipFile(path, "w") as archive:
         for name in names:
             archive.writestr(name, b"hello")
+    return path
+
+
+def make_tar(path: Path) -> Path:
+    with tarfile.open(path, "w") as archive:
+        archive.add(README, "README.md")
     return path
 
 
@@ -181,6 +188,37 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
     ("PNG", lambda d: write(d / "shapes.png", (ASSETS / "shapes_256x256.png").read_bytes()), "{path} is a PNG image"),
     ("JPEG", lambda d: write(d / "photo.pth", image_bytes("JPEG")), "{path} is a JPEG image, not a checkpoint"),
     ("GIF", lambda d: write(d / "anim.gif", image_bytes("GIF")), "{path} is a GIF image, not a checkpoint"),
+    (
+        "tar",
+        lambda d: make_tar(d / "ckpt.tar"),
+        "{path} is a tar archive, not a checkpoint; unpack it and pass the weights file inside",
+    ),
+    ("npy", lambda d: (np.save(d / "w.npy", np.zeros(3)), d / "w.npy")[1], "{path} is a NumPy .npy array, not a"),
+    (
+        "PDF",
+        lambda d: write(d / "paper.pdf", b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj"),
+        "{path} is a PDF document, not a",
+    ),
+    (
+        "Latin-1 text",
+        lambda d: write(d / "notes.txt", "caf\u00e9 r\u00e9sum\u00e9\n".encode("latin-1") * 20),
+        "{path} is not a checkpoint: it is neither safetensors nor a torch file",
+    ),
+    (
+        "UTF-8 text cut mid-character by the sample",
+        lambda d: write(d / "notes", b"x" * 4095 + "\u00e9\n".encode() * 10),
+        "{path} is a text file, not a checkpoint",
+    ),
+    (
+        "text with a few control bytes",
+        lambda d: write(d / "log", (b"step 1 loss 0.5\x07\n" + b"a" * 85) * 40),
+        "{path} is a text file, not a checkpoint",
+    ),
+    (
+        "binary with control bytes",
+        lambda d: write(d / "blob", (b"\x01\x02ab" + b"c" * 96) * 40),
+        "{path} is not a checkpoint: it is neither safetensors nor a torch file",
+    ),
     (
         "gzip",
         lambda d: write(d / "model.pth.gz", b"\x1f\x8b\x08\x00" + b"\x00" * 40),
@@ -317,3 +355,12 @@ def test_reasons_stay_short():
     assert reason(ValueError("x" * 201)) == "x" * 200 + "..."
     assert reason(ValueError("first part. second\n  part")) == "first part"
     assert reason(ValueError("")) == "ValueError"
+
+
+@pytest.mark.parametrize(
+    "name", ["last.pt", "last.pth", "last.pth.tar", "last.ckpt", "pytorch_model-1.bin", "w.safetensors"]
+)
+def test_a_folder_names_its_one_weights_file(tmp_path, name):
+    folder = folder_with(tmp_path / "run", {"log.txt": b"loss\n", name: b"x"})
+    with pytest.raises(CheckpointError, match=f"; pass the file {folder / name}$"):
+        open_checkpoint(folder)

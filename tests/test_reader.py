@@ -21,7 +21,7 @@ from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale.conversion import CheckpointError
 from timm_layerscale.conversion.dcp import read_metadata
-from timm_layerscale.conversion.reader import TensorInfo, open_checkpoint
+from timm_layerscale.conversion.reader import TRAINING_STATE, TensorInfo, open_checkpoint
 
 NAME = "vit_ls_small_patch16_dinov3"
 ITERATION = 199
@@ -97,6 +97,20 @@ def test_a_set_that_holds_sets_is_looked_into():
         open_checkpoint(only_teacher, "raw")
 
 
+@pytest.mark.parametrize("name", TRAINING_STATE)
+def test_training_state_beside_a_set_is_not_weights(name):
+    """Optimizer moments and the like sit beside the weights sets; they never make the file a plain set."""
+    ckpt = open_checkpoint({name: {"state.0.exp_avg": torch.zeros(8)}, "state_dict": backbone(1.0)})
+    assert (ckpt.weights, sorted(ckpt)) == ("state_dict", ["blocks.0.ls1.gamma", "cls_token"])
+
+
+def test_a_wrapper_is_stripped_when_it_holds_at_least_half_the_keys():
+    half = {**prefixed("backbone.", backbone(1.0)), "neck.a": torch.zeros(1), "neck.b": torch.zeros(1)}
+    assert sorted(open_checkpoint(half)) == ["blocks.0.ls1.gamma", "cls_token"]
+    less = {**half, "neck.c": torch.zeros(1), "neck.d": torch.zeros(1)}  # a detector: the backbone is one part
+    assert sorted(open_checkpoint(less)) == sorted(less)
+
+
 def test_ema_requested_but_absent_is_an_error(tmp_path):
     save_file(backbone(1.0), tmp_path / "plain.safetensors")
     with pytest.raises(CheckpointError, match="holds no EMA or teacher weights; pass --weights raw"):
@@ -154,6 +168,15 @@ def test_sharded_checkpoint_as_index_or_folder(tmp_path, safe):
             assert ckpt.kind == ("sharded safetensors" if safe else "sharded torch files")
             assert ckpt.files == (index, *shards)
             assert equal(sd, ckpt)
+
+
+def test_an_index_is_known_by_its_weight_map(tmp_path):
+    sd = tiny_backbone()
+    save_torch_state_dict(sd, tmp_path, max_shard_size=40_000)
+    (tmp_path / "model.safetensors.index.json").rename(tmp_path / "shards.json")
+    with open_checkpoint(tmp_path / "shards.json") as ckpt:
+        assert ckpt.kind == "sharded safetensors"
+        assert equal(sd, ckpt)
 
 
 def test_transformers_hub_folder(tmp_path):
@@ -348,8 +371,9 @@ def test_dcp_never_unpickles_bytes_items(meta_run, tmp_path):
         lambda marker: pickle.dumps(Exploit(marker), protocol=0),
         lambda marker: b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.",
         lambda marker: b"ctorch\nsave\n(I1\nV" + str(marker).encode() + b"\ntR.",
+        lambda marker: b"P" + str(marker).encode() + b"\n.",
     ],
-    ids=["open", "open-protocol-0", "os.system", "torch.save"],
+    ids=["open", "open-protocol-0", "os.system", "torch.save", "persistent-id"],
 )
 def test_malicious_dcp_metadata_runs_nothing(meta_run, tmp_path, payload):
     folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
@@ -379,6 +403,14 @@ def test_damaged_dcp_folders(meta_run, tmp_path):
     ):
         open_checkpoint(folder)
     (folder / "elsewhere").rename(folder / "__1_0.distcp")
+    (folder / ".metadata").write_bytes(b"ctorch.serialization\n_get_layout\n(Vload\ntR.")
+    with pytest.raises(CheckpointError, match=r"metadata \(UnpicklingError: unknown tensor layout 'load'\)"):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    md.storage_data = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"\.metadata lists no stored items; the metadata is corrupt"):
+        open_checkpoint(folder)
     md = read_metadata(meta_run["ckpt"])
     info = next(iter(md.storage_data.values()))
     info.relative_path = "../../secrets"

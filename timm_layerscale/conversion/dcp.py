@@ -116,10 +116,10 @@ def _check_metadata(metadata: Any, folder: Path) -> None:
         raise CheckpointError(f"{where} lists no stored items; the metadata is corrupt: copy the whole folder again")
     for index, info in storage.items():
         name = getattr(info, "relative_path", None)
-        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+        if not isinstance(name, str) or Path(name).name != name:
             raise CheckpointError(f"{where} puts {index.fqn} in {name!r}, outside the folder; the metadata is corrupt")
     for name in sorted({info.relative_path for info in storage.values()}):
-        if not (folder / name).is_file():
+        if not (folder / name).is_file():  # also "", "." and "..": the folder or its parent
             raise CheckpointError(f"{folder} lacks {name}, which its {METADATA_FILE} lists; copy the whole folder")
     for key, item in metadata.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):

@@ -256,7 +256,7 @@ def _flat_dcp(folder: Path) -> _Flat:
     read = dcp.tensor_reader(folder, metadata)
     if folder.name == META_EVAL_TEACHER[0]:
         # Meta saves the EMA teacher here under `model.`: name it as the teacher it is.
-        renamed = {("teacher." + k[len("model.") :] if k.startswith("model.") else k): k for k in infos}
+        renamed = {"teacher." + k.removeprefix("model."): k for k in infos}
         return _Flat(KIND_DCP, {k: infos[v] for k, v in renamed.items()}, lambda k: read(renamed[k]), (folder,))
     return _Flat(KIND_DCP, infos, read, (folder,))
 
