@@ -76,12 +76,29 @@ def test_hub_folder_points_at_its_weights_file(tmp_path, images):
     source = source_model()
     save_file(source.state_dict(), tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text('{"architecture": "vit_ls_small_patch16_dinov3"}')
-    with pytest.raises(
-        CheckpointError, match=f"is a Hub folder; pass its weights file {tmp_path / 'model.safetensors'}$"
-    ):
+    expected = f"^{tmp_path} is a folder; pass its weights file {tmp_path / 'model.safetensors'}$"
+    with pytest.raises(CheckpointError, match=expected):
+        from_file(tmp_path)
+    (tmp_path / "config.json").unlink()  # weights alone in a folder
+    with pytest.raises(CheckpointError, match=expected):
         from_file(tmp_path)
     loaded = from_file(tmp_path / "model.safetensors")
     assert max_diff(loaded.forward_features(images), source.forward_features(images)) == 0
+
+
+@torch.no_grad()
+def test_legacy_torch_file_loads(tmp_path, images):
+    source = source_model()
+    torch.save({"model": source.state_dict()}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    assert max_diff(from_file(tmp_path / "old.pth").forward_features(images), source.forward_features(images)) == 0
+
+
+@torch.no_grad()
+def test_an_overlay_without_a_file_loads_as_timm_does(images):
+    source = source_model()
+    overlay = dict(state_dict=source.state_dict())  # timm's other pretrained source besides file=
+    model = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=overlay, **TINY).eval()
+    assert max_diff(model.forward_features(images), source.forward_features(images)) == 0
 
 
 def test_unrecognised_layout_names_what_it_saw(tmp_path):

@@ -127,7 +127,7 @@ def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
         if path.is_file() and checkpoint.kind in SINGLE_FILE_KINDS:
             return
         if len(checkpoint.files) == 1 and checkpoint.files[0].is_file():
-            raise CheckpointError(f"{path} is a {checkpoint.kind}; pass its weights file {checkpoint.files[0]}")
+            raise CheckpointError(f"{path} is a folder; pass its weights file {checkpoint.files[0]}")
         converted = f"{path.name.split('.')[0]}_native.safetensors"
         raise CheckpointError(
             f"{path} is a {checkpoint.kind}, and pretrained loading reads one weights file; convert it first "
