@@ -7,7 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import pytest
 import timm
@@ -90,6 +90,7 @@ def test_a_set_that_holds_sets_is_looked_into():
     """`{"model": {"teacher.backbone.*", "student.backbone.*"}}`: the choice is among the inner sets."""
     tree = {"model": {**prefixed("teacher.backbone.", backbone(2.0)), **prefixed("student.", backbone(1.0))}}
     assert open_checkpoint({**tree, "iteration": 7}).weights == "teacher"
+    assert open_checkpoint(tree, "ema").weights == "teacher"
     assert torch.equal(open_checkpoint(tree, "raw")["cls_token"], torch.full((1, 1, 8), 1.0))
     only_teacher = {"model": {**prefixed("teacher.backbone.", backbone(2.0)), "dino_loss.center": torch.zeros(2)}}
     assert open_checkpoint(only_teacher).weights == "teacher"
@@ -269,7 +270,8 @@ def meta_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("weights", "taken", "values"), [("auto", "model_ema", "teacher"), ("raw", "student", "student")]
+    ("weights", "taken", "values"),
+    [("auto", "model_ema", "teacher"), ("ema", "model_ema", "teacher"), ("raw", "student", "student")],
 )
 def test_meta_dcp_training_checkpoint(meta_run, weights, taken, values):
     assert sorted(p.name for p in meta_run["ckpt"].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -406,6 +408,11 @@ def test_damaged_dcp_folders(meta_run, tmp_path):
     (folder / ".metadata").write_bytes(b"ctorch.serialization\n_get_layout\n(Vload\ntR.")
     with pytest.raises(CheckpointError, match=r"metadata \(UnpicklingError: unknown tensor layout 'load'\)"):
         open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])  # saved on Windows: its path pickles as a Windows path
+    md.storage_meta.checkpoint_id = PureWindowsPath("C:/run/ckpt/199")
+    for windows in (b"PureWindowsPath", b"WindowsPath"):
+        (folder / ".metadata").write_bytes(pickle.dumps(md, protocol=2).replace(b"PureWindowsPath", windows))
+        assert open_checkpoint(folder).weights == "model_ema"
     md = read_metadata(meta_run["ckpt"])
     md.storage_data = None
     (folder / ".metadata").write_bytes(pickle.dumps(md))

@@ -169,8 +169,6 @@ def tensor_reader(folder: Path, metadata: Any) -> Callable[[str], torch.Tensor]:
                 load(target, storage_reader=Reader(folder), planner=TensorsOnly(), no_dist=True)
         except CheckpointException as exc:  # DCP wraps what failed, per rank
             failure = next(iter(exc.failures.values()))[0]
-            if isinstance(failure, CheckpointError):
-                raise failure from None
             raise _read_error(folder, key, failure) from failure
         except Exception as exc:
             raise _read_error(folder, key, exc) from exc
