@@ -61,6 +61,11 @@ def image_bytes(fmt: str) -> bytes:
     return buffer.getvalue()
 
 
+def safetensors_of(dtype: str, shape: list[int], nbytes: int) -> bytes:
+    header = json.dumps({"x": {"dtype": dtype, "shape": shape, "data_offsets": [0, nbytes]}}).encode()
+    return len(header).to_bytes(8, "little") + header + bytes(nbytes)
+
+
 def write(path: Path, content: bytes) -> Path:
     path.write_bytes(content)
     return path
@@ -174,6 +179,7 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
         "{path} is a YAML file, not a checkpoint",
     ),
     ("JSON", lambda d: write(d / "results.json", b'{"top1": 84.1}'), "{path} is a JSON file, not a checkpoint"),
+    ("broken JSON", lambda d: write(d / "results.json", b'{"top1": 8'), "{path} is a JSON file, not a checkpoint"),
     (
         "JSON list without a suffix",
         lambda d: write(d / "results", b' [{"top1": 84.1}]'),
@@ -250,6 +256,16 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
         "refused to load {path}: it is a pickle that needs objects other than tensors, which could run code",
     ),
     (
+        "torch file holding a list",
+        lambda d: (torch.save([1, 2], d / "list.pth"), d / "list.pth")[1],
+        "{path} holds no tensors (got list); pass a weights file",
+    ),
+    (
+        "safetensors of a dtype torch lacks",
+        lambda d: write(d / "fp6.safetensors", safetensors_of("F6_E2M3", [4], 3)),
+        "{path} stores x as F6_E2M3, which has no torch dtype here; save it as F32, BF16 or F16",
+    ),
+    (
         "torch file without tensors",
         lambda d: (torch.save({"epoch": 3, "arch": "vit"}, d / "meta.pth"), d / "meta.pth")[1],
         "{path} holds no tensors (got dict with keys epoch, arch); pass a weights file",
@@ -304,6 +320,16 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
     (
         "index without a weight map",
         lambda d: write(d / "model.safetensors.index.json", b'{"metadata": {}}'),
+        "{path} has no weight_map of keys to shard files",
+    ),
+    (
+        "index that is a list",
+        lambda d: write(d / "model.safetensors.index.json", b"[1]"),
+        "{path} has no weight_map of keys to shard files",
+    ),
+    (
+        "index with an empty weight map",
+        lambda d: write(d / "model.safetensors.index.json", b'{"weight_map": {}}'),
         "{path} has no weight_map of keys to shard files",
     ),
     (

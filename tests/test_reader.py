@@ -81,9 +81,15 @@ def test_plain_state_dict_keeps_keys_that_look_like_set_names(tmp_path):
         assert sorted(ckpt) == sorted(sd)
 
 
-def test_ddp_and_compile_prefixes_are_stripped():
-    ckpt = open_checkpoint(prefixed("module._orig_mod.", backbone(1.0)))
+@pytest.mark.parametrize("wrappers", ["module._orig_mod.", "_orig_mod.module.backbone."])
+def test_ddp_and_compile_prefixes_are_stripped(wrappers):
+    ckpt = open_checkpoint(prefixed(wrappers, backbone(1.0)))
     assert sorted(ckpt) == ["blocks.0.ls1.gamma", "cls_token"]
+
+
+def test_nothing_to_read_in_memory():
+    with pytest.raises(CheckpointError, match=r"^the checkpoint holds no tensors \(got dict\); pass a weights"):
+        open_checkpoint({})
 
 
 def test_a_set_that_holds_sets_is_looked_into():
@@ -171,12 +177,12 @@ def test_sharded_checkpoint_as_index_or_folder(tmp_path, safe):
             assert equal(sd, ckpt)
 
 
-def test_an_index_is_known_by_its_weight_map(tmp_path):
+def test_a_folder_with_one_index_of_any_name(tmp_path):
     sd = tiny_backbone()
     save_torch_state_dict(sd, tmp_path, max_shard_size=40_000)
-    (tmp_path / "model.safetensors.index.json").rename(tmp_path / "shards.json")
-    with open_checkpoint(tmp_path / "shards.json") as ckpt:
-        assert ckpt.kind == "sharded safetensors"
+    (tmp_path / "model.safetensors.index.json").rename(tmp_path / "weights.safetensors.index.json")
+    with open_checkpoint(tmp_path) as ckpt:
+        assert (ckpt.kind, ckpt.files[0]) == ("sharded safetensors", tmp_path / "weights.safetensors.index.json")
         assert equal(sd, ckpt)
 
 
@@ -307,6 +313,15 @@ def test_distillation_takes_the_students_ema(tmp_path):
     with open_checkpoint(tmp_path) as ckpt:
         assert ckpt.weights == "model_ema"
         assert equal(ema, ckpt)
+
+
+def test_dcp_of_a_plain_model_is_its_only_set(tmp_path):
+    """A DCP folder saved from `{"model": model.state_dict()}`, as Meta's checkpointer does for a plain model."""
+    sd = tiny_backbone()
+    dcp.save({"iteration": 3, "model": sd}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    with open_checkpoint(tmp_path / "ckpt", "raw") as ckpt:
+        assert ckpt.weights == "model"
+        assert equal(sd, ckpt)
 
 
 def stored_items(folder: Path):

@@ -235,7 +235,9 @@ def _flat_safetensors(path: Path) -> _Flat:
 def _safetensors_dtype(name: str, key: str, path: Path) -> torch.dtype:
     dtype = getattr(torch, SAFETENSORS_DTYPES.get(name, ""), None)
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"{path} stores {key} as {name}, which this torch cannot hold; upgrade torch")
+        raise CheckpointError(
+            f"{path} stores {key} as {name}, which has no torch dtype here; save it as F32, BF16 or F16"
+        )
     return dtype
 
 
@@ -296,19 +298,8 @@ def _flat_index(index: Path) -> _Flat:
     return _Flat(kind, infos, lambda k: shards[weight_map[k]].read(k), files, close)
 
 
-def _is_index(path: Path) -> bool:
-    if path.name.endswith(".index.json"):
-        return True
-    if path.suffix != ".json" or path.stat().st_size > 64 << 20:
-        return False
-    try:
-        return "weight_map" in json.loads(path.read_text())
-    except (ValueError, OSError, TypeError):
-        return False
-
-
 def _open_file(path: Path) -> _Flat:
-    if _is_index(path):
+    if path.name.endswith(".index.json"):
         return _flat_index(path)
     sniffed = sniff(path)
     if sniffed.format == "safetensors":
@@ -374,6 +365,8 @@ SAFETENSORS_DTYPES = {
     "BF16": "bfloat16",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
     "I64": "int64",
     "I32": "int32",
     "I16": "int16",
