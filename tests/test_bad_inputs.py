@@ -150,6 +150,16 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
         "{path} is a zip archive but not a torch checkpoint (it holds a.jpg, b.jpg, c.jpg, ...); unpack it",
     ),
     (
+        "empty zip",
+        lambda d: make_zip(d / "empty.zip", []),
+        "{path} is a zip archive but not a torch checkpoint (it holds nothing); unpack it",
+    ),
+    (
+        "empty safetensors",
+        lambda d: (save_file({}, d / "empty.safetensors"), d / "empty.safetensors")[1],
+        "{path} holds no tensors (an empty safetensors file); pass a weights file",
+    ),
+    (
         "npz",
         lambda d: (np.savez(d / "arrays.npz", a=np.zeros(3)), d / "arrays.npz")[1],
         "{path} is a NumPy .npz archive, not a torch checkpoint",
@@ -216,6 +226,31 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
         "{path} is a text file, not a checkpoint",
     ),
     (
+        "text with a NUL byte",
+        lambda d: write(d / "notes.txt", b"lr 1e-4 looked best\n" * 50 + b"\x00"),
+        "{path} is not a checkpoint: it is neither safetensors nor a torch file",
+    ),
+    (
+        "UTF-8 text with a 4-byte character cut by the sample",
+        lambda d: write(d / "notes", b"x" * 4093 + "\U0001f600\n".encode() * 3),
+        "{path} is a text file, not a checkpoint",
+    ),
+    (
+        "a stray byte just before the end of the sample",
+        lambda d: write(d / "notes", b"x" * 4092 + b"\xff" + b"x" * 100),
+        "{path} is not a checkpoint: it is neither safetensors nor a torch file",
+    ),
+    (
+        "text with a brace where a safetensors header starts",
+        lambda d: write(d / "notes", b"results {top1: 84.1}\n"),
+        "{path} is a text file, not a checkpoint",
+    ),
+    (
+        "JSON object without a suffix",
+        lambda d: write(d / "results", b'{"top1": 84.1, "top5": 97.0}'),
+        "{path} is a JSON file, not a checkpoint",
+    ),
+    (
         "text with a few control bytes",
         lambda d: write(d / "log", (b"step 1 loss 0.5\x07\n" + b"a" * 85) * 40),
         "{path} is a text file, not a checkpoint",
@@ -229,6 +264,14 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
         "gzip",
         lambda d: write(d / "model.pth.gz", b"\x1f\x8b\x08\x00" + b"\x00" * 40),
         "{path} is a gzip archive, not a checkpoint",
+    ),
+    *(
+        (
+            f"plain pickle, protocol {protocol}",
+            lambda d, protocol=protocol: write(d / "w.pth", pickle.dumps({"w": Exploit(d / "marker")}, protocol)),
+            "refused to read {path}: it is a Python pickle, not a torch or safetensors checkpoint",
+        )
+        for protocol in (2, 3, 5)
     ),
     (
         "plain pickle",
@@ -390,3 +433,21 @@ def test_a_folder_names_its_one_weights_file(tmp_path, name):
     folder = folder_with(tmp_path / "run", {"log.txt": b"loss\n", name: b"x"})
     with pytest.raises(CheckpointError, match=f"; pass the file {folder / name}$"):
         open_checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    ("config", "hint"),
+    [
+        ({"model_type": "dinov3_vit"}, True),
+        ({"architecture": "vit_small_patch16_dinov3", "notes": "x" * 5000}, True),
+        ({"top1": 84.1}, False),
+        ([{"model_type": "dinov3_vit"}], False),
+    ],
+)
+def test_a_config_file_points_at_its_folder(tmp_path, config, hint):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(tmp_path / "config.json")
+    tail = "; pass a weights file (.safetensors, .pth, .bin) or a checkpoint folder"
+    folder_hint = f" (config.json is a model config: pass its folder {tmp_path} to read the weights beside it)"
+    assert str(info.value).endswith(tail + (folder_hint if hint else ""))

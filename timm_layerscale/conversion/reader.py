@@ -229,6 +229,8 @@ def _flat_safetensors(path: Path) -> _Flat:
         raise CheckpointError(
             f"{path} is a truncated or corrupt safetensors file ({reason(exc)}); save or download it again"
         ) from exc
+    if not infos:
+        raise CheckpointError(f"{path} holds no tensors (an empty safetensors file); {PASS_WEIGHTS}")
     return _Flat(KIND_SAFETENSORS, infos, handle.get_tensor, (path,))
 
 
@@ -301,10 +303,10 @@ def _flat_index(index: Path) -> _Flat:
 def _open_file(path: Path) -> _Flat:
     if path.name.endswith(".index.json"):
         return _flat_index(path)
-    sniffed = sniff(path)
-    if sniffed.format == "safetensors":
+    found = sniff(path)
+    if found == "safetensors":
         return _flat_safetensors(path)
-    return _flat_torch(path, legacy=sniffed.format == "legacy torch")
+    return _flat_torch(path, legacy=found == "legacy torch")
 
 
 def _open_folder(folder: Path) -> _Flat:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
 
 HEAD_BYTES = 4096
+CONFIG_MAX_BYTES = 1 << 20
 # safetensors refuses headers above 100 MB; a length this small has zero high bytes, which text never has.
 SAFETENSORS_MAX_HEADER = 100_000_000
 # torch.save's legacy (non-zip) format: pickle protocol 2, then its magic number as a 10-byte LONG1.
@@ -49,16 +49,9 @@ TEXT_CONTROLS = frozenset(b"\t\n\x0b\x0c\r\x1b")
 PASS_WEIGHTS = "pass a weights file (.safetensors, .pth, .bin) or a checkpoint folder"
 
 
-@dataclass(frozen=True)
-class Sniffed:
-    """`format` is "safetensors", "torch zip" or "legacy torch"; anything else raised `CheckpointError`."""
-
-    format: str
-    size: int
-
-
-def sniff(path: Path) -> Sniffed:
-    """What `path` holds, by content; raises `CheckpointError` naming it when it is no checkpoint file."""
+def sniff(path: Path) -> str:
+    """What `path` holds, by content: "safetensors", "torch zip" or "legacy torch"; anything else raises
+    `CheckpointError` naming what the file is."""
     size = path.stat().st_size
     if size == 0:
         raise CheckpointError(
@@ -72,11 +65,11 @@ def sniff(path: Path) -> Sniffed:
             f"{path.parent}"
         )
     if head.startswith(ZIP_MAGIC):
-        return Sniffed(_torch_zip(path), size)
+        return _torch_zip(path)
     if _is_safetensors(head, size, path):
-        return Sniffed("safetensors", size)
+        return "safetensors"
     if head.startswith(LEGACY_TORCH_MAGIC):
-        return Sniffed("legacy torch", size)
+        return "legacy torch"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         raise CheckpointError(
             f"refused to read {path}: it is a Python pickle, not a torch or safetensors checkpoint, and unpickling "
@@ -85,11 +78,11 @@ def sniff(path: Path) -> Sniffed:
     for magic, what in OTHER_FORMATS:
         if head.startswith(magic):
             raise CheckpointError(f"{path} is {what}, not a checkpoint; {PASS_WEIGHTS}")
-    if len(head) > 262 and head[257:262] == b"ustar":
+    if head[257:262] == b"ustar":
         raise CheckpointError(f"{path} is a tar archive, not a checkpoint; unpack it and pass the weights file inside")
     text = _text_kind(path, head)
     if text:
-        raise CheckpointError(f"{path} is {text}, not a checkpoint; {PASS_WEIGHTS}{_config_hint(path, head)}")
+        raise CheckpointError(f"{path} is {text}, not a checkpoint; {PASS_WEIGHTS}{_config_hint(path)}")
     raise CheckpointError(
         f"{path} is not a checkpoint: it is neither safetensors nor a torch file (it starts with bytes "
         f"{head[:8].hex(' ')}); {PASS_WEIGHTS}, or download it again if it should be one"
@@ -98,10 +91,8 @@ def sniff(path: Path) -> Sniffed:
 
 def _is_safetensors(head: bytes, size: int, path: Path) -> bool:
     """8-byte little-endian header length, then the JSON header. A header cut short is a truncated file."""
-    if len(head) < 9 or head[8:9] != b"{":
-        return False
     length = int.from_bytes(head[:8], "little")
-    if not 2 <= length <= SAFETENSORS_MAX_HEADER:
+    if head[8:9] != b"{" or length > SAFETENSORS_MAX_HEADER:
         return False
     if 8 + length > size:
         raise CheckpointError(
@@ -155,12 +146,10 @@ def _text_kind(path: Path, head: bytes) -> str | None:
     return "a text file"
 
 
-def _config_hint(path: Path, head: bytes) -> str:
+def _config_hint(path: Path) -> str:
     """A model config beside its weights: the folder is what to pass."""
-    if path.suffix != ".json":
-        return ""
     try:
-        config = json.loads(head) if len(head) < HEAD_BYTES else json.loads(path.read_text())
+        config = json.loads(path.read_text()) if path.stat().st_size < CONFIG_MAX_BYTES else None
     except (ValueError, OSError):
         return ""
     if isinstance(config, dict) and ("model_type" in config or "architecture" in config):
