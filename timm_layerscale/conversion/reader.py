@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -26,7 +26,7 @@ from .errors import CheckpointError, reason, torch_load_error
 from .sniff import PASS_WEIGHTS, sniff
 
 Weights = Literal["auto", "ema", "raw"]
-WEIGHTS_CHOICES = ("auto", "ema", "raw")
+WEIGHTS_CHOICES: tuple[str, ...] = get_args(Weights)
 
 # What a source is: `LazyCheckpoint.kind`.
 KIND_SAFETENSORS = "safetensors file"
