@@ -8,7 +8,7 @@ import sys
 from ..conversion.convert import DTYPES, WEIGHTS, convert_checkpoint
 from ..conversion.reader import open_checkpoint
 from ..conversion.targets import TARGETS
-from .common import READ_ERRORS, CliError, parse_model_kwargs, read_error
+from .common import CliError, parse_model_kwargs
 
 EPILOG = """examples:
   timm-ls convert dinov3_vitb16_pretrain.pth vitb16-timm --to timm
@@ -55,11 +55,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def convert(args: argparse.Namespace) -> int:
     if args.weights not in WEIGHTS:
         raise CliError(f"unknown weights set {args.weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
-    try:
-        source = open_checkpoint(args.src, args.weights)
-    except READ_ERRORS as exc:
-        raise read_error(args.src, exc) from exc
-    with source:
+    with open_checkpoint(args.src, args.weights) as source:
         result = convert_checkpoint(
             source,
             args.dst,

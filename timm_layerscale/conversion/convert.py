@@ -77,6 +77,7 @@ class Conversion:
     """What `convert_checkpoint` did; `summary()` is the one line the command prints."""
 
     source: str
+    kind: str
     destination: Path
     target: str
     layout: str
@@ -93,7 +94,7 @@ class Conversion:
     def summary(self) -> str:
         held = f"; not held by {self.target}: {', '.join(self.not_held)}" if self.not_held else ""
         return (
-            f"converted {self.source} ({self.layout} layout, weights: {self.weights}) to {self.target} "
+            f"converted {self.source} ({self.kind}, {self.layout} layout, weights: {self.weights}) to {self.target} "
             f"{self.destination}: {self.variant} ({self.reason}), {self.tensors} tensors, "
             f"{_size(self.nbytes)}, {self.seconds:.1f} s{held}"
         )
@@ -167,6 +168,7 @@ def convert_checkpoint(
             export.write(tmp, bar)
         return Conversion(
             source=str(src) if isinstance(src, (str, Path)) else str(ckpt.path),
+            kind=ckpt.kind,
             destination=dst,
             target=target.name,
             layout=layout.name,
