@@ -446,6 +446,12 @@ def test_damaged_dcp_folders(meta_run, tmp_path):
         CheckpointError, match=r"not cover all of model\.student\.backbone\.blocks\.0\.attn\.qkv\.weight \[192, 64\]"
     ):
         open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    key = "model.student.backbone.blocks.0.attn.qkv.weight"
+    del md.storage_data[next(i for i in md.storage_data if i.fqn == key)]  # a chunk listed, its bytes not
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"not cover all of model\.student\.backbone\.blocks\.0\.attn\.qkv"):
+        open_checkpoint(folder)
 
 
 # Lazy reads: tensors are views of the mapped file, not copies.
