@@ -1,8 +1,10 @@
-"""`timm-ls`: build a vit_ls variant, run the shipped images through it and show its LayerScale gammas.
+"""`timm-ls`: DINOv3-style ViTs with LayerScale for timm, and LayerScale made visible.
 
-`timm-ls [demo]` runs a variant (random, `--checkpoint` or `--pretrained` weights); `timm-ls list` lists
-the registered variants with their size, pretrained tags and YAML file; `timm-ls run SCRIPT ARGS...` runs a
-timm script (train.py, validate.py, ...) with the variants registered. Each command is one module here.
+`timm-ls [demo]` trains a small variant on generated shapes and shows its gammas learn (or, with
+`--checkpoint`/`--pretrained`, a model's real gammas); `timm-ls inspect` reads the gammas of any checkpoint,
+variant or timm model; `timm-ls ablate` compares init values on a deep, narrow ViT; `timm-ls list` lists
+the registered variants; `timm-ls run SCRIPT ARGS...` runs a timm script (train.py, validate.py, ...) with
+the variants registered. Each command is one module here.
 """
 
 from __future__ import annotations
@@ -11,11 +13,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import timm
+import torch
+
+from .. import __version__
 from ..conversion import CheckpointError
-from . import demo, listing, run
+from . import ablate, demo, inspection, listing, run
 from .common import CliError
 
-COMMANDS = {"demo": demo, "list": listing, "run": run}
+COMMANDS = {"demo": demo, "inspect": inspection, "ablate": ablate, "list": listing, "run": run}
 DEFAULT_COMMAND = "demo"
 
 
@@ -25,6 +31,11 @@ def make_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n")[0].split(": ", 1)[1],
         epilog=f"Without a command it runs `{DEFAULT_COMMAND}`; `timm-ls {DEFAULT_COMMAND} -h` lists its options.",
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"timm-ls {__version__} (timm {timm.__version__}, torch {torch.__version__})",
+    )
     commands = parser.add_subparsers(dest="command")
     for module in COMMANDS.values():
         module.add_parser(commands)
@@ -33,11 +44,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help", "--version"):
         argv.insert(0, DEFAULT_COMMAND)
     args = make_parser().parse_args(argv)
     try:
         return args.func(args)
+    except BrokenPipeError:  # `timm-ls inspect ... | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 1
     except (CliError, CheckpointError, ValueError, FileNotFoundError) as exc:
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"timm-ls: error: {message}", file=sys.stderr)
