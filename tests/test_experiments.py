@@ -109,6 +109,10 @@ def test_ablate_writes_curves_gammas_summary_and_plot(ablation, capsys):
     )
     image = Image.open(out / "curves.png")
     assert image.format == "PNG" and image.size == (1380, 380)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {(out / name).stat().st_mode & 0o777 for name in ("curves.csv", "curves.png")} == {0o666 & ~umask}
+    assert not list(out.glob(".*"))  # no temporary file left
 
 
 def test_ablate_repeats_exactly_from_its_own_record_in_parallel(ablation):

@@ -15,7 +15,6 @@ import math
 import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
@@ -28,6 +27,7 @@ from tqdm import tqdm
 
 from ..config import resolve_init_values
 from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
+from ..tools.files import write_atomically
 from ..tools.gammas import gamma_stats
 from ..tools.plots import missing_matplotlib, plot_curves, plotting_available
 from ..tools.shapes import CLASSES, make_shapes
@@ -191,17 +191,6 @@ class _BarQueue:
 # ---------------------------------------------------------------------------------------------- outputs
 
 
-def _write(path: Path, text: str | None = None, draw=None) -> None:
-    """Temporary file then rename: an interrupted run never leaves a half-written result."""
-    if draw is not None:
-        draw(path)
-        return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _csv(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
     out = io.StringIO()
     writer = csv.DictWriter(out, columns, lineterminator="\n")
@@ -348,20 +337,20 @@ def ablate(args: argparse.Namespace) -> int:
     results = _run_all(experiment, jobs)
     out.mkdir(parents=True, exist_ok=True)
     curves = [dict(init_values=r["label"], seed=r["seed"], **row) for r in results for row in r["history"]]
-    _write(out / "curves.csv", _csv(CURVE_COLUMNS, curves))
+    write_atomically(out / "curves.csv", _csv(CURVE_COLUMNS, curves))
     gamma_rows = [
         dict(init_values=r["label"], seed=r["seed"], block=block, attn_mean_abs_gamma=a, mlp_mean_abs_gamma=m)
         for r in results
         for block, a, m in r["gammas"]
     ]
-    _write(out / "gammas.csv", _csv(GAMMA_COLUMNS, gamma_rows))
+    write_atomically(out / "gammas.csv", _csv(GAMMA_COLUMNS, gamma_rows))
     plain = dataclasses.asdict(experiment)
     plain.pop("source")
     plain["init_values"] = [v if v == "off" else float(v) for v in map(init_label, experiment.init_values)]
     plain["seeds"] = list(experiment.seeds)
-    _write(out / "experiment.yaml", yaml.safe_dump(plain, sort_keys=False))
+    write_atomically(out / "experiment.yaml", yaml.safe_dump(plain, sort_keys=False))
     summary = summarise(experiment, results)
-    _write(out / "summary.txt", "\n".join(summary) + "\n")
+    write_atomically(out / "summary.txt", "\n".join(summary) + "\n")
     if draw:
         by_label: dict[str, list[dict[str, float]]] = {}
         for row in curves:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import tempfile
+import io
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
+from .files import write_atomically
 from .gammas import BRANCHES, BlockGammas
 
 INSTALL_HINT = "pip install 'timm-layerscale[tools]' (or pip install matplotlib)"
@@ -40,16 +40,9 @@ def _pyplot():
 
 
 def _save(fig, path: Path) -> None:
-    """Writes next to `path` and renames, so a failure never leaves a partial or clobbered file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    write_atomically(path, buffer.getvalue())
 
 
 def _wrap(title: str, width: int = 90) -> str:
