@@ -201,3 +201,61 @@ def test_without_matplotlib_the_commands_say_what_to_install(ablation, tmp_path)
     )
     assert inspect.returncode == 2 and inspect.stderr.startswith("timm-ls: error: --plot: plotting needs matplotlib")
     assert hint in inspect.stderr and not (tmp_path / "g.png").exists()
+
+
+def fake_results(final_acc: dict[str, list[float]], diverged: tuple[str, int] | None = None) -> list[dict]:
+    """Runs as `run_one` returns them, with the given final held-out accuracy per seed."""
+    results = []
+    for label, accs in final_acc.items():
+        for seed, acc in enumerate(accs):
+            history = [dict(step=10, lr=0.1, train_loss=1.0 - acc, train_acc=acc, test_loss=1.0, test_acc=acc)]
+            gammas = [] if label == "off" else [("0", 0.02, 0.04)]
+            stop = diverged[1] if diverged and diverged[0] == label and seed == 0 else None
+            results.append(dict(label=label, seed=seed, history=history, diverged_at=stop, gammas=gammas))
+    return results
+
+
+@pytest.mark.parametrize(
+    ("final_acc", "verdict"),
+    [
+        (
+            {"off": [0.30, 0.32, 0.31], "0.1": [0.60, 0.62, 0.64], "1e-06": [0.40, 0.41, 0.42]},
+            "LayerScale helped here: init 0.1 beat off by 31.0 points, more than the seeds' spread (4.0)",
+        ),
+        (
+            {"off": [0.70, 0.72, 0.71], "0.1": [0.60, 0.62, 0.64]},
+            "LayerScale did not help here: off beat the best init (0.1) by 9.0 points, more than the seeds' "
+            "spread (4.0)",
+        ),
+        (
+            {"off": [0.60, 0.70, 0.65], "0.1": [0.62, 0.64, 0.66]},
+            "no clear difference: off and the best init (0.1) are 1.0 points apart, within the seeds' spread (10.0)",
+        ),
+        (
+            {"off": [0.50], "0.1": [0.55]},
+            "best LayerScale init 0.1 vs off: +5.0 points of held-out accuracy, from one seed, so a gap of a few",
+        ),
+    ],
+)
+def test_summary_says_what_happened(final_acc, verdict):
+    from timm_layerscale.cli.ablate import summarise
+
+    experiment = load_experiment(Path(__file__).parents[1] / "configs" / "experiments" / "ablate.yaml")
+    experiment = experiment.replace(seeds=tuple(range(len(next(iter(final_acc.values()))))))
+    lines = summarise(experiment, fake_results(final_acc))
+    assert any(line.startswith(verdict) for line in lines), lines
+    ranked = sorted(final_acc, key=lambda k: -sum(final_acc[k]))
+    assert lines[-1] == "ranking by mean held-out accuracy: " + " > ".join(ranked)
+
+
+def test_summary_counts_diverged_runs_and_ranks_them_last():
+    from timm_layerscale.cli.ablate import summarise
+
+    experiment = load_experiment(Path(__file__).parents[1] / "configs" / "experiments" / "ablate.yaml")
+    experiment = experiment.replace(seeds=(0, 1))
+    lines = summarise(experiment, fake_results({"off": [0.9, 0.8], "1e-06": [0.5, 0.6]}, diverged=("off", 42)))
+    off = next(line for line in lines if line.startswith("init_values off: "))
+    assert off.startswith("init_values off: held-out accuracy 80.0%") and "1 of 2 runs diverged" in off
+    assert "at step 42" in off
+    assert lines[-1] == "ranking by mean held-out accuracy: 1e-06 > off"
+    assert "mean |gamma| at the end 0.03" in next(line for line in lines if line.startswith("init_values 1e-06"))
