@@ -19,6 +19,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import timm_layerscale
+from timm_layerscale.cli import main
 
 CLI = [sys.executable, "-m", "timm_layerscale.cli"]
 TINY = ["--model-kwargs", "depth=2"]
@@ -189,9 +190,12 @@ def test_default_command_json_has_the_run_and_repeats_exactly(runs: dict[str, Ru
             gamma = block[branch]
             assert gamma["before"]["mean"] == gamma["before"]["max"] == 1e-5
             assert gamma["moved"] > 1e-4 and math.isfinite(gamma["after"]["mean"])
-    # The text run used the same seed and data: the same numbers.
+    # The text run, another process, used the same seeds and data: the same numbers.
     text = runs["demo"].stdout
     assert f"{accuracy['before']:.1%} before training" in text and f"{accuracy['after']:.1%} after 8 steps" in text
+    table = text.split("moved: mean |after - before|\n", 1)[1].splitlines()[1:3]
+    after = [[f"{b[branch]['after']['mean']:.3g}" for branch in ("attn", "mlp")] for b in result["gammas"]]
+    assert [[row.split()[2], row.split()[5]] for row in table] == after
 
 
 def test_default_command_takes_a_yaml_variant_file(runs: dict[str, Run]) -> None:
@@ -271,3 +275,24 @@ def test_run_gives_timm_scripts_the_variants(runs: dict[str, Run]) -> None:
     assert runs["run_ls_on"].stdout.rstrip().endswith("6 gammas")
     assert runs["run_yaml"].returncode == 3, runs["run_yaml"].stderr
     assert runs["run_yaml"].stdout.startswith("my_vit ['--model', 'my_vit'] 6 gammas")
+
+
+def test_moved_is_the_distance_from_the_init_not_the_size(files: Path, capsys) -> None:
+    """Starting at 1, gammas stay near 1 in 8 steps: they are large but have moved little."""
+    args = ["--config", str(files / "tiny_demo.yaml"), "--json", "--no-plot", "--model-kwargs", "init_values=1.0"]
+    assert main(args) == 0
+    for block in json.loads(capsys.readouterr().out)["gammas"]:
+        for branch in ("attn", "mlp"):
+            gamma = block[branch]
+            assert gamma["before"]["mean"] == 1.0 and 0.9 < gamma["after"]["mean"] < 1.1
+            assert 1e-4 < gamma["moved"] < 0.05
+            assert gamma["moved"] >= abs(gamma["after"]["mean"] - 1.0) - 1e-7  # mean |a - b| >= |mean a - mean b|
+
+
+def test_images_of_other_sizes_are_resized_and_the_output_says_so(files: Path, capsys, tmp_path: Path) -> None:
+    Image.new("RGB", (330, 200), (200, 30, 30)).save(tmp_path / "odd.png")
+    args = ["--checkpoint", str(files / "small.safetensors"), *TINY, "--image", str(tmp_path / "odd.png"), "--no-plot"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    expected = "odd.png: 330x200, resized to 336x208 without cropping (sides must be multiples of 16) -> 273 patch"
+    assert expected in out

@@ -96,6 +96,8 @@ def test_ablate_writes_curves_gammas_summary_and_plot(ablation, capsys):
         (v, s, step) for s in ("0", "1") for v in ("off", "0.0001") for step in ("3", "6")
     ]
     assert all(math.isfinite(float(r[c])) for r in curves for c in CURVE_COLUMNS[2:])
+    by_seed = [[r["train_loss"] for r in curves if r["seed"] == seed] for seed in ("0", "1")]
+    assert by_seed[0] != by_seed[1]  # each seed its own weights and batch order
     gammas = read_csv(out / "gammas.csv")
     assert list(gammas[0]) == ["init_values", "seed", "block", "attn_mean_abs_gamma", "mlp_mean_abs_gamma"]
     assert {r["init_values"] for r in gammas} == {"0.0001"} and len(gammas) == 2 * 3  # LayerScale off: no gammas

@@ -17,6 +17,8 @@ from safetensors.torch import save_file
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale.cli import main
+from timm_layerscale.tools.gammas import BranchStats, gamma_stats
+from timm_layerscale.tools.plots import gamma_figure
 
 NAME = "vit_ls_small_patch16_dinov3"
 # Gammas chosen so that every statistic is known exactly: (attn, mlp) per block, |gamma| stats below.
@@ -109,6 +111,26 @@ def test_png_is_a_valid_image_with_both_branches(ours, tmp_path, capsys):
     assert not list(tmp_path.glob(".gammas*"))  # no temporary file left
 
 
+def test_muted_means_strictly_below_one_thousandth():
+    stats = BranchStats.of(torch.tensor([1e-3, -9.99e-4, 0.0, -2e-3]))
+    assert stats.muted == 0.5 and stats.channels == 4 and stats.min == 0.0
+
+
+def test_the_figure_draws_each_branch_on_a_log_axis(ours):
+    from safetensors.torch import load_file
+
+    blocks = gamma_stats(load_file(ours))
+    before = gamma_stats({k: torch.full_like(v, 1e-5) for k, v in load_file(ours).items() if k.endswith("gamma")})
+    ax = gamma_figure(blocks, "title", before=before).axes[0]
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "block"
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert lines["attn mean |gamma|"] == pytest.approx([EXPECTED[0][0]["mean"], EXPECTED[1][0]["mean"]], rel=1e-5)
+    assert lines["mlp mean |gamma|"] == pytest.approx([EXPECTED[0][1]["mean"], EXPECTED[1][1]["mean"]], rel=1e-5)
+    assert lines["attn before"] == pytest.approx([1e-5, 1e-5])
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # attn: from min (block 1's 0, drawn at 1e-8) to max
+    assert band.min() == pytest.approx(1e-8) and band.max() == pytest.approx(3.0)
+
+
 @pytest.mark.parametrize(
     ("model", "spelling", "keys"),
     [
@@ -165,6 +187,10 @@ def test_name_with_checkpoint_reads_the_file_and_checks_it_fits(ours, capsys):
     )
     assert result["source"] == NAME and result["weights"].startswith(f"{ours} (safetensors file")
     assert_stats(result["blocks"][1]["attn"], EXPECTED[1][0])
+    code, _, err = inspect(
+        capsys, NAME, "--checkpoint", ours, "--model-kwargs", "depth=2", "embed_dim=128", "num_heads=4"
+    )
+    assert code == 2 and "it has LayerScale in 2 blocks of width [64], " in err and " in 2 of width [128]" in err
     code, _, err = inspect(capsys, NAME, "--checkpoint", ours)
     assert code == 2
     assert err == (
@@ -238,6 +264,8 @@ def sparse_safetensors(path: Path, shapes: dict[str, torch.Size], written: dict[
 MEASURE = """
 import json, resource, sys
 from timm_layerscale.cli import main
+from timm_layerscale.tools.gammas import BranchStats, gamma_stats
+from timm_layerscale.tools.plots import gamma_figure
 code = main(sys.argv[1:])
 print(json.dumps({"code": code, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr)
 """

@@ -236,7 +236,7 @@ def fit_image(picture: Image.Image, model: nn.Module) -> tuple[Image.Image, str]
         why = "this model takes one size only"
     else:
         p = model.patch_size
-        target_w, target_h = max(p, round(width / p) * p), max(p, round(height / p) * p)
+        target_w, target_h = (max(p, int(side / p + 0.5) * p) for side in (width, height))  # halves round up
         why = f"sides must be multiples of {p}"
     if (target_w, target_h) == (width, height):
         return picture, f"{width}x{height}, run at its own size (no crop, no resize)"
