@@ -34,6 +34,11 @@ BLOCK_MATPLOTLIB = (
 )
 
 
+def test_held_out_images_are_other_draws_even_at_the_same_size():
+    shapes = make_shapes(ShapesSpec(image_size=16, train_size=30, test_size=30))
+    assert not torch.equal(shapes.train_images, shapes.test_images)
+
+
 def test_shapes_repeat_exactly_and_are_balanced():
     spec = ShapesSpec(image_size=16, train_size=60, test_size=30)
     a, b = make_shapes(spec), make_shapes(spec)
@@ -61,6 +66,36 @@ def test_a_diverging_run_stops_and_says_where():
     result = train(model, data, TrainConfig(steps=50, batch_size=8, lr=1e30, warmup=0, eval_every=1))
     assert result.diverged_at is not None and 1 < result.diverged_at <= 50
     assert len(result.history) == result.diverged_at - 1  # no row after the bad step
+
+
+def test_each_history_row_averages_the_steps_since_the_last():
+    data = make_shapes(ShapesSpec(image_size=16, train_size=32, test_size=16))
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_ls_small_patch16_dinov3", depth=1, embed_dim=32, num_heads=4, img_size=16, patch_size=8, num_classes=6
+    )
+    losses = []
+    result = train(
+        model, data, TrainConfig(steps=4, batch_size=8, eval_every=2), on_step=lambda _, loss: losses.append(loss)
+    )
+    assert [row["step"] for row in result.history] == [2, 4]
+    assert [row["train_loss"] for row in result.history] == pytest.approx([sum(losses[:2]) / 2, sum(losses[2:]) / 2])
+    assert all(row["train_acc"] * 16 == round(row["train_acc"] * 16) for row in result.history)
+
+
+def test_runs_of_a_seed_start_from_the_same_weights_but_their_gammas():
+    from timm_layerscale.cli.ablate import build_model
+
+    experiment = load_experiment(Path(__file__).parents[1] / "configs" / "experiments" / "ablate.yaml")
+    experiment = experiment.replace(model={**experiment.model, "depth": 2})
+    off, small, other_seed = (
+        build_model(experiment, v, s).state_dict() for v, s in (("off", 0), (1e-6, 0), ("off", 1))
+    )
+    assert sorted(small) == sorted(
+        [*off, "blocks.0.ls1.gamma", "blocks.0.ls2.gamma", "blocks.1.ls1.gamma", "blocks.1.ls2.gamma"]
+    )
+    assert all(torch.equal(off[k], small[k]) for k in off)
+    assert not torch.equal(off["blocks.0.attn.qkv.weight"], other_seed["blocks.0.attn.qkv.weight"])
 
 
 def test_gammas_are_not_weight_decayed():

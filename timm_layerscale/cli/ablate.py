@@ -23,6 +23,7 @@ from typing import Any
 import timm
 import torch
 import yaml
+from torch import nn
 from tqdm import tqdm
 
 from ..config import resolve_init_values
@@ -106,17 +107,23 @@ def _with_flags(experiment: Experiment, args: argparse.Namespace) -> Experiment:
 # ----------------------------------------------------------------------------------------------- runs
 
 
+def build_model(experiment: Experiment, init_value: Any, seed: int, **kwargs: Any) -> nn.Module:
+    """A run's model. The weights come from `seed` alone: the runs of one seed differ only in their gammas."""
+    variant, tag = resolve_variant(experiment.variant)
+    torch.manual_seed(seed)
+    return timm.create_model(
+        f"{variant.name}.{tag}" if tag else variant.name,
+        num_classes=len(CLASSES),
+        **{**experiment.model, "init_values": init_value},
+        **kwargs,
+    )
+
+
 def run_one(experiment: Experiment, init_value: Any, seed: int, progress=None) -> dict[str, Any]:
     """One training run; in a worker process, with one thread, or in this process."""
     torch.set_num_threads(1)
-    variant, tag = resolve_variant(experiment.variant)
     data = make_shapes(experiment.data)
-    torch.manual_seed(seed)
-    model = timm.create_model(
-        f"{variant.name}.{tag}" if tag else variant.name,
-        num_classes=data.num_classes,
-        **{**experiment.model, "init_values": init_value},
-    )
+    model = build_model(experiment, init_value, seed)
     label = init_label(init_value)
     start = time.perf_counter()
     result = train(
@@ -280,14 +287,8 @@ def summarise(experiment: Experiment, results: list[dict[str, Any]]) -> list[str
 
 def _check_models(experiment: Experiment) -> None:
     """Every run's model is built on `meta` first: a bad name, size or init value fails now, not in a worker."""
-    variant, tag = resolve_variant(experiment.variant)
     for value in experiment.init_values:
-        timm.create_model(
-            f"{variant.name}.{tag}" if tag else variant.name,
-            device="meta",
-            num_classes=len(CLASSES),
-            **{**experiment.model, "init_values": value},
-        )
+        build_model(experiment, value, seed=0, device="meta")
 
 
 def _title(experiment: Experiment) -> str:
