@@ -201,13 +201,14 @@ def test_name_with_checkpoint_reads_the_file_and_checks_it_fits(ours, capsys):
 
 def test_random_init_names_and_variant_files_show_their_init_values(tmp_path, capsys):
     per_block = inspect_json(
-        capsys, NAME, "--model-kwargs", "depth=3", "init_values=[1e-6, {attn: 0.1, mlp: off}, off]"
+        capsys, NAME, "--model-kwargs", "depth=4", "init_values=[1e-6, {attn: 0.1, mlp: off}, off, {attn: 1, mlp: 2}]"
     )
     assert per_block["weights"] == "random init: every gamma is its init value"
     assert [(b["attn"] and b["attn"]["mean"], b["mlp"] and b["mlp"]["max"]) for b in per_block["blocks"]] == [
         (1e-6, 1e-6),
         (0.1, None),
         (None, None),
+        (1.0, 2.0),
     ]
     (tmp_path / "deep.yaml").write_text("base: vit_ls_small_patch16_dinov3\nmodel: {depth: 30, init_values: auto}\n")
     deep = inspect_json(capsys, tmp_path / "deep.yaml")
@@ -232,6 +233,7 @@ def test_random_init_names_and_variant_files_show_their_init_values(tmp_path, ca
         (["vit_ls_smal_patch16_dinov3"], "did you mean vit_ls_small_patch16_dinov3"),
         (["vit_small_patch16_224", "--model-kwargs", "depth=1"], "has no LayerScale gammas"),
         (["{ours}", "--pretrained"], "is a file: inspect it alone"),
+        (["{ours}", "--model-kwargs", "depth=3"], "is a file: inspect it alone"),
         (["{ours}", "--plot", "gammas.jpg"], "the plot is a PNG"),
         (["{truncated}"], "truncated or corrupt"),
     ],
