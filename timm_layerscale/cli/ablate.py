@@ -43,7 +43,7 @@ OUTPUTS = ("curves.csv", "curves.png", "gammas.csv", "summary.txt", "experiment.
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "ablate",
-        help="train one deep, narrow ViT-LS per init value and compare (about 5 minutes on 2 cores)",
+        help="train one deep, narrow ViT-LS per init value and compare (about 6 minutes on 2 idle cores)",
         description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
     )
     parser.add_argument(
