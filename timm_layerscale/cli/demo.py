@@ -8,9 +8,12 @@ minute on two CPU cores, nothing downloaded) and shows each block's gammas befor
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import timm
@@ -21,8 +24,8 @@ from torch import nn
 from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
-from ..tools.experiment import experiments_dir, load_experiment
-from ..tools.gammas import BRANCHES, find_gamma_keys, fmt, gamma_stats
+from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
+from ..tools.gammas import BRANCHES, BranchStats, find_gamma_keys, fmt, gamma_stats
 from ..tools.shapes import make_shapes
 from ..tools.trainer import evaluate, train
 from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
@@ -85,20 +88,33 @@ def _gammas(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: state[k].detach().clone() for branches in keys.values() for k in branches.values()}
 
 
-def _moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {k: (after[k] - before[k]).abs().mean().item() for k in before}
+def _experiment(args: argparse.Namespace) -> Experiment:
+    experiment = load_experiment(args.config)
+    if args.steps is not None:
+        experiment = check(experiment.replace(train=dataclasses.replace(experiment.train, steps=args.steps)), "--steps")
+    if args.threads < 1:
+        raise CliError(f"--threads: got {args.threads}; allowed: a positive integer")
+    return experiment
+
+
+def _gamma_changes(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> list[tuple[str, dict[str, tuple[BranchStats, BranchStats, float] | None]]]:
+    """Per block: for each branch its stats before and after and how far it moved (mean |after - before|)."""
+    keys, _ = find_gamma_keys(list(after))
+    blocks = []
+    for block, branches in zip(gamma_stats(after), keys.values()):
+        changes = {}
+        for branch in BRANCHES:
+            key = branches.get(branch)
+            moved = None if key is None else (after[key] - before[key]).abs().mean().item()
+            changes[branch] = None if key is None else (BranchStats.of(before[key]), BranchStats.of(after[key]), moved)
+        blocks.append((block.label, changes))
+    return blocks
 
 
 def watch_training(args: argparse.Namespace) -> int:
-    experiment = load_experiment(args.config)
-    if args.steps is not None:
-        if args.steps < 1:
-            raise CliError(f"--steps: got {args.steps}; allowed: a positive integer")
-        experiment = experiment.replace(
-            train=experiment.train.__class__(**{**vars(experiment.train), "steps": args.steps})
-        )
-    if args.threads < 1:
-        raise CliError(f"--threads: got {args.threads}; allowed: a positive integer")
+    experiment = _experiment(args)
     variant, tag = resolve_variant(args.variant or experiment.variant)
     name = f"{variant.name}.{tag}" if tag else variant.name
     overrides = {**experiment.model, **parse_model_kwargs(args.model_kwargs)}
@@ -108,28 +124,26 @@ def watch_training(args: argparse.Namespace) -> int:
     data = make_shapes(experiment.data)
     torch.manual_seed(args.seed)
     model = timm.create_model(name, num_classes=data.num_classes, **overrides)
-    before_tensors = _gammas(model)
-    if not before_tensors:
+    before = _gammas(model)
+    if not before:
         raise CliError(
             "this model has LayerScale off (init_values=off), so there are no gammas to watch; pass another "
             "init value, or run `timm-ls ablate` to compare training with and without LayerScale"
         )
-    before = gamma_stats(before_tensors)
     inits = sorted({v for pair in model.config.layer_init_values for v in pair if v is not None})
     params = sum(p.numel() for p in model.parameters())
     shrink = " ".join(f"{k}={v}" for k, v in overrides.items())
-    lines = [
-        WHAT_IS_A_GAMMA,
-        "",
-        f"model: {name} shrunk to train on CPU ({shrink}); {params / 1e6:.2f}M parameters; "
-        f"LayerScale init {', '.join(f'{v:g}' for v in inits)}",
-        f"weights: random (seed {args.seed}); nothing pretrained or downloaded",
-        f"data: {experiment.data.describe()}",
-        f"training: {experiment.train.describe()}; experiment {experiment.source}",
-    ]
     if not args.json:
-        print("\n".join(lines), flush=True)
-    _, acc_before = evaluate(model, data.test_images, data.test_labels)
+        print(
+            f"{WHAT_IS_A_GAMMA}\n\n"
+            f"model: {name} shrunk to train on CPU ({shrink}); {params / 1e6:.2f}M parameters; "
+            f"LayerScale init {', '.join(f'{v:g}' for v in inits)}\n"
+            f"weights: random (seed {args.seed}); nothing pretrained or downloaded\n"
+            f"data: {experiment.data.describe()}\n"
+            f"training: {experiment.train.describe()}; experiment {experiment.source}",
+            flush=True,
+        )
+    loss_before, acc_before = evaluate(model, data.test_images, data.test_labels)
     start = time.perf_counter()
     with tqdm(total=experiment.train.steps, desc="training", unit="step", file=sys.stderr, disable=None) as bar:
 
@@ -140,69 +154,57 @@ def watch_training(args: argparse.Namespace) -> int:
 
         result = train(model, data, experiment.train, seed=args.seed, on_step=on_step)
     seconds = time.perf_counter() - start
-    after_tensors = _gammas(model)
-    after = gamma_stats(after_tensors)
-    moved = _moved(before_tensors, after_tensors)
-    keys, _ = find_gamma_keys(list(after_tensors))
-    moved_per_block = [{b: moved.get(k) for b, k in branches.items()} for branches in keys.values()]
     if result.diverged_at is not None:
         warn(f"the training loss became NaN or Inf at step {result.diverged_at}; try a lower lr in {args.config}")
-    acc_after = result.history[-1]["test_acc"] if result.history else float("nan")
-    chance = 1 / data.num_classes
+    after = _gammas(model)
+    changes = _gamma_changes(before, after)
+    last = result.history[-1] if result.history else dict(step=0, test_loss=math.nan, test_acc=math.nan)
     title = f"{name} ({shrink}), {experiment.train.steps} steps on generated shapes"
-    plot_line = draw(plot, after, title, before=before)
+    plot_line = draw(plot, gamma_stats(after), title, before=gamma_stats(before))
 
     if args.json:
-        print(
-            json.dumps(
-                dict(
-                    model=name,
-                    model_kwargs=overrides,
-                    parameters=params,
-                    weights=f"random (seed {args.seed})",
-                    data=vars(experiment.data),
-                    train=vars(experiment.train),
-                    seconds=round(seconds, 2),
-                    diverged_at=result.diverged_at,
-                    accuracy=dict(before=acc_before, after=acc_after, chance=chance),
-                    history=result.history,
-                    gammas=[
-                        dict(
-                            block=a.label,
-                            **{
-                                b: None
-                                if a.branch(b) is None
-                                else dict(
-                                    before=vars(o.branch(b)), after=vars(a.branch(b)), moved=moved_per_block[i][b]
-                                )
-                                for b in BRANCHES
-                            },
-                        )
-                        for i, (o, a) in enumerate(zip(before, after))
-                    ],
-                    plot=str(plot) if plot_line else None,
-                ),
-                indent=1,
+        gammas = [
+            dict(
+                block=label,
+                **{
+                    b: None if c is None else dict(before=asdict(c[0]), after=asdict(c[1]), moved=c[2])
+                    for b, c in branches.items()
+                },
             )
+            for label, branches in changes
+        ]
+        report = dict(
+            model=name,
+            model_kwargs=overrides,
+            parameters=params,
+            weights=f"random (seed {args.seed})",
+            data=asdict(experiment.data),
+            train=asdict(experiment.train),
+            seconds=round(seconds, 2),
+            diverged_at=result.diverged_at,
+            accuracy=dict(before=acc_before, after=last["test_acc"], chance=1 / data.num_classes),
+            loss=dict(before=loss_before, after=last["test_loss"]),
+            history=result.history,
+            gammas=gammas,
+            plot=str(plot) if plot_line else None,
         )
+        print(json.dumps(report, indent=1))
         return 0
 
     print(
-        f"held-out accuracy: {acc_before:.1%} before training (chance {chance:.1%}), {acc_after:.1%} after "
-        f"{len(result.history) and result.history[-1]['step']} steps ({seconds:.0f} s)"
+        f"held-out accuracy: {acc_before:.1%} before training (chance {1 / data.num_classes:.1%}), "
+        f"{last['test_acc']:.1%} after {last['step']} steps ({seconds:.0f} s)"
     )
     rows = []
-    for i, (old, new) in enumerate(zip(before, after)):
-        row = [old.label]
-        for branch in BRANCHES:
-            o, n = old.branch(branch), new.branch(branch)
-            row += ["off", "", ""] if o is None else [fmt(o.mean), fmt(n.mean), fmt(moved_per_block[i][branch])]
+    for label, branches in changes:
+        row = [label]
+        for c in branches.values():
+            row += ["off", "", ""] if c is None else [fmt(c[0].mean), fmt(c[1].mean), fmt(c[2])]
         rows.append(row)
     print("\nLayerScale gammas, mean |gamma| over each branch's channels; moved: mean |after - before|")
-    header = ["block", "attn before", "after", "moved", "mlp before", "after", "moved"]
-    print(table(header, rows))
+    print(table(["block", "attn before", "after", "moved", "mlp before", "after", "moved"], rows))
     loudest = max(
-        ((b.label, branch, b.branch(branch).mean) for b in after for branch in BRANCHES if b.branch(branch)),
+        ((label, b, c[1].mean) for label, branches in changes for b, c in branches.items() if c is not None),
         key=lambda t: t[2],
     )
     print(f"loudest branch now: block {loudest[0]} {loudest[1]} (mean |gamma| {loudest[2]:.3g})")
