@@ -4,7 +4,8 @@
 `--checkpoint`/`--pretrained`, a model's real gammas); `timm-ls inspect` reads the gammas of any checkpoint,
 variant or timm model; `timm-ls ablate` compares init values on a deep, narrow ViT; `timm-ls list` lists
 the registered variants; `timm-ls run SCRIPT ARGS...` runs a timm script (train.py, validate.py, ...) with
-the variants registered. Each command is one module here.
+the variants registered; `timm-ls convert SRC DST --to ...` converts a checkpoint between layouts. Each
+command is one module here; `timm-ls --debug ...` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ import torch
 
 from .. import __version__
 from ..conversion import CheckpointError
-from . import ablate, demo, inspection, listing, run
+from . import ablate, convert, demo, inspection, listing, run
 from .common import CliError
 
-COMMANDS = {"demo": demo, "inspect": inspection, "ablate": ablate, "list": listing, "run": run}
+COMMANDS = {
+    "demo": demo,
+    "inspect": inspection,
+    "ablate": ablate,
+    "list": listing,
+    "run": run,
+    "convert": convert,
+}
 DEFAULT_COMMAND = "demo"
 
 
@@ -36,6 +44,7 @@ def make_parser() -> argparse.ArgumentParser:
         action="version",
         version=f"timm-ls {__version__} (timm {timm.__version__}, torch {torch.__version__})",
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command")
     for module in COMMANDS.values():
         module.add_parser(commands)
@@ -44,15 +53,18 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in (*COMMANDS, "-h", "--help", "--version"):
-        argv.insert(0, DEFAULT_COMMAND)
+    first = int(argv[:1] == ["--debug"])  # a global option goes before the command
+    if len(argv) == first or argv[first] not in (*COMMANDS, "-h", "--help", "--version"):
+        argv.insert(first, DEFAULT_COMMAND)
     args = make_parser().parse_args(argv)
     try:
         return args.func(args)
     except BrokenPipeError:  # `timm-ls inspect ... | head`: the reader left, nothing to report
         sys.stderr.close()
         return 1
-    except (CliError, CheckpointError, ValueError, FileNotFoundError) as exc:
+    except (CliError, CheckpointError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"timm-ls: error: {message}", file=sys.stderr)
         return 2

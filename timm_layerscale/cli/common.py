@@ -6,7 +6,6 @@ import argparse
 import ast
 import difflib
 import logging
-import pickle
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -19,14 +18,12 @@ import timm
 import yaml
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-from safetensors import SafetensorError
 from torch import nn
 
 from ..variants import VARIANTS, Variant, register_variant
 
 HUB_FILE = "model.safetensors"
 VARIANT_FILE_SUFFIXES = (".yaml", ".yml")
-READ_ERRORS = (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError)
 
 
 class CliError(Exception):
@@ -128,29 +125,12 @@ def hub_unreachable(exc: BaseException | None) -> str | None:
     return f"{constants.ENDPOINT}: {type(chain[-1]).__name__}: {chain[-1]}"
 
 
-def read_error(path: str, exc: BaseException) -> CliError:
-    if "weights_only" in str(exc) or "Weights only" in str(exc):
-        return CliError(
-            f"refused to load {path}: it is a pickle that needs objects other than tensors, which could run "
-            f"code (nothing was run); use a file you trust saved as a plain state dict or .safetensors"
-        )
-    kind = "safetensors" if isinstance(exc, SafetensorError) else "torch checkpoint"
-    reason = " ".join(str(exc).split()).split(". ")[0] or type(exc).__name__
-    return CliError(
-        f"{path} is not a readable {kind} ({reason}); it is truncated or corrupt: save or download it again"
-    )
-
-
 def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[nn.Module, str]:
     name = f"{variant.name}.{tag}" if tag else variant.name
     kwargs = parse_model_kwargs(args.model_kwargs)
     if args.checkpoint:
-        try:
-            model = timm.create_model(
-                name, pretrained=True, pretrained_cfg_overlay=dict(file=args.checkpoint), **kwargs
-            )
-        except READ_ERRORS as exc:
-            raise read_error(args.checkpoint, exc) from exc
+        # The file is checked (what it is, whether it is whole) before timm reads it: errors are one line.
+        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=args.checkpoint), **kwargs)
         return model, f"checkpoint {args.checkpoint}"
     if not args.pretrained:
         return timm.create_model(name, **kwargs), "random init (no --checkpoint or --pretrained given)"

@@ -23,15 +23,7 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from ..conversion.reader import LazyCheckpoint, open_checkpoint
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, find_gamma_keys, gamma_stats
 from ..variants import VARIANTS
-from .common import (
-    READ_ERRORS,
-    CliError,
-    hub_unreachable,
-    is_variant_file,
-    parse_model_kwargs,
-    quiet_hub,
-    read_error,
-)
+from .common import CliError, hub_unreachable, is_variant_file, parse_model_kwargs, quiet_hub
 from .common import resolve_variant as resolve_vit_ls
 from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
 
@@ -127,11 +119,9 @@ def _download(name: str) -> tuple[str, str]:
     raise CliError(f"--pretrained: {hub_id} has none of {', '.join(files)}; pass --checkpoint PATH instead")
 
 
-def _open_file(path: str, weights: str, stack: ExitStack):
-    try:
-        return stack.enter_context(open_checkpoint(path, weights=weights))
-    except READ_ERRORS as exc:
-        raise read_error(path, exc) from exc
+def _open_file(path: str, weights: str, stack: ExitStack) -> LazyCheckpoint:
+    """A file the reader cannot take raises its one-line `CheckpointError` (what the file is, and the fix)."""
+    return stack.enter_context(open_checkpoint(path, weights=weights))
 
 
 def _random_gammas(name: str, kwargs: dict, ours: bool) -> Mapping[str, torch.Tensor]:
