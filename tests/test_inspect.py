@@ -171,6 +171,20 @@ def test_transformers_checkpoint(prefix, tmp_path, capsys):
         assert_stats(result["blocks"][i]["mlp"], expected_stats(sd[f"{prefix}layer.{i}.layer_scale2.lambda1"]))
 
 
+def test_a_hub_folder_is_read_through_its_weights_file(tmp_path, capsys):
+    config = DINOv3ViTConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256, num_register_tokens=4
+    )
+    torch.manual_seed(0)
+    reference = move_off_init_(DINOv3ViTModel(config))
+    reference.save_pretrained(tmp_path / "hf")
+    result = inspect_json(capsys, tmp_path / "hf")
+    assert result["weights"].startswith("Hub folder")
+    for i, layer in enumerate(reference.model.layer):
+        assert_stats(result["blocks"][i]["attn"], expected_stats(layer.layer_scale1.lambda1))
+        assert_stats(result["blocks"][i]["mlp"], expected_stats(layer.layer_scale2.lambda1))
+
+
 @pytest.mark.parametrize(("weights", "value"), [("auto", 2.0), ("raw", 0.5)])
 def test_training_checkpoint_takes_the_weights_set_asked_for(weights, value, tmp_path, capsys):
     sd = timm.create_model(NAME, **TINY).state_dict()
@@ -235,7 +249,7 @@ def test_random_init_names_and_variant_files_show_their_init_values(tmp_path, ca
         (["{ours}", "--pretrained"], "is a file: inspect it alone"),
         (["{ours}", "--model-kwargs", "depth=3"], "is a file: inspect it alone"),
         (["{ours}", "--plot", "gammas.jpg"], "the plot is a PNG"),
-        (["{truncated}"], "truncated or corrupt"),
+        (["{truncated}"], "is a truncated safetensors file"),
     ],
 )
 def test_bad_input_is_one_error_line(args, expected, ours, tmp_path, capsys):

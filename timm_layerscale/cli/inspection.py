@@ -20,7 +20,7 @@ import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-from ..conversion.reader import LazyCheckpoint, open_checkpoint
+from ..conversion.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, find_gamma_keys, gamma_stats
 from ..variants import VARIANTS
 from .common import CliError, hub_unreachable, is_variant_file, parse_model_kwargs, quiet_hub
@@ -41,7 +41,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "source",
         metavar="MODEL_OR_CHECKPOINT",
-        help="a checkpoint file, a vit_ls NAME[.TAG], a YAML variant file, or a timm model with LayerScale "
+        help="a checkpoint file or folder, a vit_ls NAME[.TAG], a YAML variant file, or a timm model with LayerScale "
         "(deit3_*, cait_*, vit_*_dinov3, ...)",
     )
     weights = parser.add_mutually_exclusive_group()
@@ -49,7 +49,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     weights.add_argument("--pretrained", action="store_true", help="with a model name: read its pretrained weights")
     parser.add_argument(
         "--weights",
-        choices=("auto", "ema", "raw"),
+        choices=WEIGHTS_CHOICES,
         default="auto",
         help="which weights set of a training checkpoint (default auto: EMA/teacher where there is one)",
     )
