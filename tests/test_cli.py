@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 import timm_layerscale
 from timm_layerscale.cli import main
+from timm_layerscale.cli.common import CliError
 
 CLI = [sys.executable, "-m", "timm_layerscale.cli"]
 TINY = ["--model-kwargs", "depth=2"]
@@ -299,9 +300,20 @@ def test_images_of_other_sizes_are_resized_and_the_output_says_so(files: Path, c
     assert expected in out
 
 
-def test_seed_picks_the_random_weights(runs: dict[str, Run], files: Path, capsys) -> None:
-    assert main(["--config", str(files / "tiny_demo.yaml"), "--json", "--no-plot", "--seed", "1"]) == 0
-    seed1, seed0 = json.loads(capsys.readouterr().out), json.loads(runs["demo_json"].stdout)
+def test_seed_picks_the_random_weights(files: Path, capsys) -> None:
+    reports = []
+    for seed in ("0", "1"):
+        assert main(["--config", str(files / "tiny_demo.yaml"), "--json", "--no-plot", "--seed", seed]) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    seed0, seed1 = reports
     assert seed1["weights"] == "random (seed 1)"
     assert seed1["loss"]["before"] != seed0["loss"]["before"]  # other weights before any batch is drawn
     assert all(math.isfinite(v) for v in (*seed0["loss"].values(), *seed1["loss"].values()))
+
+
+def test_debug_goes_before_the_default_command_too(files: Path, capsys) -> None:
+    absent = str(files / "absent.yaml")
+    with pytest.raises(CliError, match=r"absent\.yaml does not exist"):
+        main(["--debug", "--variant", absent])
+    assert main(["--variant", absent]) == 2
+    assert capsys.readouterr().err.startswith("timm-ls: error: variant file ")
