@@ -153,6 +153,18 @@ def test_timm_eva_and_deit3_checkpoints(model, spelling, keys, tmp_path, capsys)
     assert result["blocks"][1]["mlp"]["muted"] == pytest.approx(40 / 384)
 
 
+def test_cait_lists_its_class_attention_blocks_after_the_trunk(tmp_path, capsys):
+    torch.manual_seed(0)
+    kwargs = dict(depth=2, depth_token_only=1, embed_dim=64, num_heads=4, img_size=64)
+    reference = move_off_init_(timm.create_model("cait_xxs24_224", **kwargs))
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, tmp_path / "cait.safetensors")
+    result = inspect_json(capsys, tmp_path / "cait.safetensors")
+    assert [b["block"] for b in result["blocks"]] == ["blocks.0", "blocks.1", "blocks_token_only.0"]
+    for found, block in zip(result["blocks"], [*reference.blocks, *reference.blocks_token_only]):
+        assert_stats(found["attn"], expected_stats(block.gamma_1))
+        assert_stats(found["mlp"], expected_stats(block.gamma_2))
+
+
 @pytest.mark.parametrize("prefix", ["", "model."])
 def test_transformers_checkpoint(prefix, tmp_path, capsys):
     """Hub files say `layer.N.`; transformers 5 names the same blocks `model.layer.N.` in memory."""
