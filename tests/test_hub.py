@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -78,9 +79,10 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
     hub_root: tuple[Path, Eva], tmp_path: Path
 ) -> None:
     root, eva = hub_root
-    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--model-kwargs", *TINY]
-    gamma = eva.blocks[0].gamma_1.detach()
-    expected_row = ["0", f"{gamma.abs().mean():.4g}", f"{gamma.min():.4g}", f"{gamma.max():.4g}"]
+    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", *TINY]
+    gamma = eva.blocks[0].gamma_1.detach().abs()
+    median = gamma.sort().values[191:193].mean()
+    expected_row = ["0", f"{gamma.mean():.3g}", f"{median:.3g}", f"{gamma.max():.3g}", "0%"]
     with LocalHub(root) as hub:
         env = hub_env(hub, tmp_path / "hf_home")
         online = run(cli, env)
@@ -88,7 +90,7 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
     assert f"weights: Hub {HUB_ID}\n" in online.stdout
     assert "loaded a timm-eva checkpoint" in online.stdout
     assert online.stdout.count("LayerScale: kept 4 gammas from the checkpoint") == 1  # reported once
-    assert online.stdout.split("LayerScale gammas:\n")[1].splitlines()[1].split()[:4] == expected_row
+    assert online.stdout.split("LayerScale gammas: ")[1].splitlines()[2].split()[:5] == expected_row
 
     offline = run(cli, {**env, "HF_HUB_OFFLINE": "1"})
     assert offline.returncode == 0, offline.stderr
@@ -96,15 +98,45 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
         f"weights: Hub {HUB_ID} from the local cache (the Hub is not reachable: HF_HUB_OFFLINE is set)"
         in offline.stdout
     )
-    assert offline.stdout.split("LayerScale gammas:\n")[1].splitlines()[1].split()[:4] == expected_row
+    assert offline.stdout.split("LayerScale gammas: ")[1].splitlines()[2].split()[:5] == expected_row
 
 
 def test_cli_pretrained_without_a_hub_falls_back_to_random_init(tmp_path: Path) -> None:
     env = hub_env(SimpleNamespace(url="http://127.0.0.1:9"), tmp_path / "hf_home")
     env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
     start = time.monotonic()
-    result = run([sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--model-kwargs", "depth=2"], env)
+    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", "depth=2"]
+    result = run(cli, env)
     assert result.returncode == 0, result.stderr
-    assert "weights: random init: the Hub is not reachable (http://127.0.0.1:9: " in result.stdout
-    assert "LayerScale gammas:" in result.stdout
+    # The fallback is a warning on stderr; stdout says which weights the table shows.
+    assert result.stderr.startswith("timm-ls: warning: --pretrained: the Hub is not reachable (http://127.0.0.1:9: "), (
+        result.stderr
+    )
+    assert "using random weights instead" in result.stderr and result.stderr.count("\n") == 1
+    assert "weights: random init, because the Hub is not reachable (see the warning above)" in result.stdout
+    assert "LayerScale gammas: " in result.stdout
     assert time.monotonic() - start < 30  # no retry loop
+
+
+def test_inspect_pretrained_reads_the_hub_file_then_the_cache(hub_root: tuple[Path, Eva], tmp_path: Path) -> None:
+    root, eva = hub_root
+    cli = [sys.executable, "-m", "timm_layerscale.cli", "inspect", "vit_ls_small_patch16_dinov3.lvd1689m"]
+    with LocalHub(root) as hub:
+        env = hub_env(hub, tmp_path / "hf_home")
+        online = run([*cli, "--pretrained", "--json"], env)
+    assert online.returncode == 0, online.stderr
+    result = json.loads(online.stdout)
+    assert result["weights"].startswith(f"Hub {HUB_ID} (") and result["spellings"] == ["gamma_N"]
+    for i, block in enumerate(eva.blocks):
+        for branch, gamma in (("attn", block.gamma_1), ("mlp", block.gamma_2)):
+            assert result["blocks"][i][branch]["mean"] == pytest.approx(gamma.detach().abs().mean().item(), rel=1e-6)
+            assert result["blocks"][i][branch]["max"] == pytest.approx(gamma.detach().abs().max().item(), rel=1e-6)
+    offline = run([*cli, "--pretrained", "--json"], {**env, "HF_HUB_OFFLINE": "1"})
+    assert offline.returncode == 0, offline.stderr
+    assert json.loads(offline.stdout)["blocks"] == result["blocks"]
+    nowhere = hub_env(SimpleNamespace(url="http://127.0.0.1:9"), tmp_path / "empty_home")
+    nowhere.update(HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
+    failed = run([*cli, "--pretrained"], nowhere)
+    assert failed.returncode == 2 and failed.stdout == ""
+    assert failed.stderr.startswith("timm-ls: error: --pretrained: the Hub is not reachable (http://127.0.0.1:9")
+    assert "is not in the local cache; pass the downloaded file instead" in failed.stderr

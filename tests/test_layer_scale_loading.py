@@ -98,7 +98,7 @@ def test_kept_gammas_are_reported_once_per_load(tmp_path, ls_log):
     [
         (float("nan"), "NaN or Inf in blocks 1.mlp"),
         (float("inf"), "NaN or Inf in blocks 1.mlp"),
-        (1e-5, "blocks 1.mlp all equal an init value: the checkpoint looks saved before training"),
+        (1e-5, "equal an init value in blocks 1.mlp: the checkpoint looks saved before training"),
     ],
 )
 def test_suspicious_gammas_are_warned_about(value, expected, tmp_path, ls_log):
@@ -117,9 +117,30 @@ def test_an_untrained_model_is_flagged_for_every_block(tmp_path, ls_log):
     load_checkpoint(timm.create_model(NAME, **TINY), str(tmp_path / "fresh.pth"))
     warnings = [r.getMessage() for r in ls_log.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "LayerScale gammas in blocks 0.attn, 0.mlp, 1.attn, 1.mlp all equal an init value: "
-        "the checkpoint looks saved before training"
+        "LayerScale gammas equal an init value in all 4 branches: the checkpoint looks saved before training"
     ]
+
+
+@pytest.mark.parametrize(
+    ("untrained", "expected"),
+    [
+        (range(64), "in all 64 branches"),
+        (range(5), "in blocks 0.attn, 0.mlp, 1.attn, 1.mlp, 2.attn:"),
+        (range(6), "in blocks 0.attn, 0.mlp, 1.attn, 1.mlp and 2 more (6 of 64 branches):"),
+    ],
+)
+def test_warnings_about_many_branches_stay_one_short_line(untrained, expected, tmp_path, ls_log):
+    """A 32-block model: the warning names the branches, or says `all 64`, or the first few and a count."""
+    model = timm.create_model(NAME, **{**TINY, "depth": 32})
+    state = model.state_dict()
+    trained = torch.linspace(0.5, 1.5, 64)
+    for i, key in enumerate(k for k in state if k.endswith("gamma")):
+        state[key] = state[key] if i in untrained else trained.clone()
+    save_file(state, tmp_path / "deep.safetensors")
+    load_checkpoint(model, str(tmp_path / "deep.safetensors"))
+    warnings = [r.getMessage() for r in ls_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and expected in warnings[0], warnings
+    assert len(warnings[0]) < 160
 
 
 def test_gamma_that_cannot_fold_names_key_and_setting(tmp_path):

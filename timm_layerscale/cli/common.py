@@ -1,4 +1,4 @@
-"""What the commands share: one-line errors, model building from a name and weights, tables."""
+"""What the commands share: one-line errors and warnings, model building from a name or YAML file, tables."""
 
 from __future__ import annotations
 
@@ -6,23 +6,37 @@ import argparse
 import ast
 import difflib
 import logging
+import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import huggingface_hub
 import timm
+import yaml
 from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from torch import nn
 
-from ..variants import VARIANTS, Variant
+from ..variants import VARIANTS, Variant, register_variant
 
 HUB_FILE = "model.safetensors"
+VARIANT_FILE_SUFFIXES = (".yaml", ".yml")
 
 
 class CliError(Exception):
     """Bad input: printed as one `timm-ls: error:` line."""
+
+
+def warn(message: str) -> None:
+    """A fallback or a doubt about the input: one line on stderr, so stdout stays the result."""
+    print(f"timm-ls: warning: {' '.join(message.split())}", file=sys.stderr)
+
+
+def is_variant_file(name: str) -> bool:
+    return name.lower().endswith(VARIANT_FILE_SUFFIXES)
 
 
 def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -38,7 +52,26 @@ def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
     return kwargs
 
 
+def register_variant_file(name: str) -> Variant:
+    """Registers a user's YAML variant (its name then works everywhere a registered one does)."""
+    path = Path(name)
+    if not path.is_file():
+        raise CliError(
+            f"variant file {path} does not exist; pass the path of a YAML variant file or a registered "
+            f"name (`timm-ls list`)"
+        )
+    try:
+        with warnings.catch_warnings():  # a file may redefine a shipped variant: that is what the user asked
+            warnings.simplefilter("ignore")
+            return VARIANTS[register_variant(path)]
+    except yaml.YAMLError as exc:
+        raise CliError(f"{path} is not valid YAML ({' '.join(str(exc).split())}); fix the file") from None
+
+
 def resolve_variant(name: str) -> tuple[Variant, str | None]:
+    """A registered `NAME[.TAG]`, or the path of a YAML variant file (which is registered first)."""
+    if is_variant_file(name):
+        return register_variant_file(name), None
     base, _, tag = name.partition(".")
     if base not in VARIANTS:
         close = difflib.get_close_matches(base, VARIANTS, n=3, cutoff=0.5) or sorted(VARIANTS)
@@ -47,6 +80,18 @@ def resolve_variant(name: str) -> tuple[Variant, str | None]:
     if tag and tag not in variant.tags:
         raise CliError(f"{base} has no pretrained tag {tag!r}; its tags: {', '.join(variant.tags) or 'none'}")
     return variant, tag or None
+
+
+@contextmanager
+def quiet_hub() -> Iterator[None]:
+    """huggingface_hub logs each retry on stderr; the one line the command prints says what failed."""
+    logger = logging.getLogger("huggingface_hub")
+    old = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
 
 
 @contextmanager
@@ -95,7 +140,8 @@ def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[
         raise CliError(f"{variant.name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
     repo, _, revision = hub_id.partition("@")
     try:
-        huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo, HUB_FILE, revision=revision or None))
+        with quiet_hub():
+            huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo, HUB_FILE, revision=revision or None))
         return timm.create_model(f"{variant.name}.{tag}", pretrained=True, **kwargs), f"Hub {hub_id}"
     except Exception as exc:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(exc)
@@ -106,7 +152,11 @@ def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[
         overlay = dict(file=cached)
         model = timm.create_model(f"{variant.name}.{tag}", pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
         return model, f"Hub {hub_id} from the local cache (the Hub is not reachable: {reason})"
-    return timm.create_model(name, **kwargs), f"random init: the Hub is not reachable ({reason})"
+    warn(
+        f"--pretrained: the Hub is not reachable ({reason}) and {hub_id} is not in the local cache; "
+        f"using random weights instead"
+    )
+    return timm.create_model(name, **kwargs), "random init, because the Hub is not reachable (see the warning above)"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

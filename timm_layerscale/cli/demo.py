@@ -1,39 +1,223 @@
-"""`timm-ls [demo]`: build a variant, run images through it and show its LayerScale gammas per block."""
+"""`timm-ls [demo]`, the main job: watch LayerScale learn, or read a trained model's gammas.
+
+Without weights it trains a small vit_ls from random weights on shapes generated from a seed (about a
+minute on two CPU cores, nothing downloaded) and shows each block's gammas before and after. With
+`--pretrained` or `--checkpoint` it shows that model's gammas and runs the shipped images through it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
+import timm
 import torch
 from PIL import Image, UnidentifiedImageError
-from timm.data import create_transform, resolve_data_config
+from timm.data import resolve_data_config
 from torch import nn
+from torchvision.transforms.functional import normalize, to_tensor
+from tqdm import tqdm
 
-from .common import CliError, build, load_report, resolve_variant, table
+from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
+from ..tools.gammas import BRANCHES, BranchStats, find_gamma_keys, fmt, gamma_stats
+from ..tools.shapes import make_shapes
+from ..tools.trainer import evaluate, train
+from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
+from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+WHAT_IS_A_GAMMA = (
+    "LayerScale multiplies the output of each residual branch (the attention and the MLP of every block) by "
+    "gamma, a learned gain per channel that starts tiny, so each block starts close to doing nothing and "
+    "training turns up the branches the network needs."
+)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("demo", help="run a variant on images and show its LayerScale (the default)")
-    parser.add_argument("--variant", default="vit_ls_small_patch16_dinov3", help="NAME or NAME.TAG")
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", metavar="PATH", help="a .safetensors or .pth file of weights")
-    weights.add_argument("--pretrained", action="store_true", help="download the tag's weights from the Hub")
-    parser.add_argument(
-        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="e.g. init_values=off depth=2"
+    parser = commands.add_parser(
+        "demo",
+        help="watch LayerScale learn on generated shapes, or show a model's gammas (the default command)",
+        description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
     )
-    parser.add_argument("--image", action="append", default=[], metavar="PATH", help="instead of the shipped ones")
+    parser.add_argument(
+        "--variant", help="NAME, NAME.TAG or a YAML variant file (default: the experiment's, a small ViT-S)"
+    )
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", metavar="PATH", help="show the gammas of this .safetensors or .pth file")
+    weights.add_argument("--pretrained", action="store_true", help="show the gammas of the tag's Hub weights")
+    parser.add_argument(
+        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="e.g. init_values=1e-6 depth=2"
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=str(experiments_dir() / "demo.yaml"),
+        help="the training experiment: model size, data, steps, lr (default: the shipped demo.yaml)",
+    )
+    parser.add_argument("--steps", type=int, help="training steps (default: the experiment's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch order (default 0)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads for training (default 1: the model is tiny)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH", help="with weights: run these images")
+    add_plot_arguments(parser, "layerscale_gammas.png")
     parser.set_defaults(func=demo)
 
 
-def gamma_stats(module: nn.Module) -> list[str]:
-    gamma = getattr(module, "gamma", None)
-    if gamma is None:
-        return ["off", "", ""]
-    g = gamma.detach().float()
-    return [f"{g.abs().mean():.4g}", f"{g.min():.4g}", f"{g.max():.4g}"]
+def demo(args: argparse.Namespace) -> int:
+    if args.checkpoint or args.pretrained:
+        return show_model(args)
+    if args.image:
+        raise CliError("--image runs images through a model with --checkpoint or --pretrained weights; add one")
+    return watch_training(args)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+def _gammas(model: nn.Module) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    keys, _ = find_gamma_keys(list(state))
+    return {k: state[k].detach().clone() for branches in keys.values() for k in branches.values()}
+
+
+def _experiment(args: argparse.Namespace) -> Experiment:
+    experiment = load_experiment(args.config)
+    if args.steps is not None:
+        experiment = check(experiment.replace(train=dataclasses.replace(experiment.train, steps=args.steps)), "--steps")
+    if args.threads < 1:
+        raise CliError(f"--threads: got {args.threads}; allowed: a positive integer")
+    return experiment
+
+
+def _gamma_changes(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> list[tuple[str, dict[str, tuple[BranchStats, BranchStats, float] | None]]]:
+    """Per block: for each branch its stats before and after and how far it moved (mean |after - before|)."""
+    keys, _ = find_gamma_keys(list(after))
+    blocks = []
+    for block, branches in zip(gamma_stats(after), keys.values()):
+        changes = {}
+        for branch in BRANCHES:
+            key = branches.get(branch)
+            moved = None if key is None else (after[key] - before[key]).abs().mean().item()
+            changes[branch] = None if key is None else (BranchStats.of(before[key]), BranchStats.of(after[key]), moved)
+        blocks.append((block.label, changes))
+    return blocks
+
+
+def watch_training(args: argparse.Namespace) -> int:
+    experiment = _experiment(args)
+    variant, tag = resolve_variant(args.variant or experiment.variant)
+    name = f"{variant.name}.{tag}" if tag else variant.name
+    overrides = {**experiment.model, **parse_model_kwargs(args.model_kwargs)}
+    plot = plot_target(args)
+
+    torch.set_num_threads(args.threads)
+    data = make_shapes(experiment.data)
+    torch.manual_seed(args.seed)
+    model = timm.create_model(name, num_classes=data.num_classes, **overrides)
+    before = _gammas(model)
+    if not before:
+        raise CliError(
+            "this model has LayerScale off (init_values=off), so there are no gammas to watch; pass another "
+            "init value, or run `timm-ls ablate` to compare training with and without LayerScale"
+        )
+    inits = sorted({v for pair in model.config.layer_init_values for v in pair if v is not None})
+    params = sum(p.numel() for p in model.parameters())
+    shrink = " ".join(f"{k}={v}" for k, v in overrides.items())
+    if not args.json:
+        print(
+            f"{WHAT_IS_A_GAMMA}\n\n"
+            f"model: {name} shrunk to train on CPU ({shrink}); {params / 1e6:.2f}M parameters; "
+            f"LayerScale init {', '.join(f'{v:g}' for v in inits)}\n"
+            f"weights: random (seed {args.seed}); nothing pretrained or downloaded\n"
+            f"data: {experiment.data.describe()}\n"
+            f"training: {experiment.train.describe()}; experiment {experiment.source}",
+            flush=True,
+        )
+    loss_before, acc_before = evaluate(model, data.test_images, data.test_labels)
+    start = time.perf_counter()
+    with tqdm(total=experiment.train.steps, desc="training", unit="step", file=sys.stderr, disable=None) as bar:
+
+        def on_step(step: int, loss: float) -> None:
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+        result = train(model, data, experiment.train, seed=args.seed, on_step=on_step)
+    seconds = time.perf_counter() - start
+    if result.diverged_at is not None:
+        warn(f"the training loss became NaN or Inf at step {result.diverged_at}; try a lower lr in {args.config}")
+    after = _gammas(model)
+    changes = _gamma_changes(before, after)
+    last = result.history[-1] if result.history else dict(step=0, test_loss=math.nan, test_acc=math.nan)
+    title = f"{name} ({shrink}), {experiment.train.steps} steps on generated shapes"
+    plot_line = draw(plot, gamma_stats(after), title, before=gamma_stats(before))
+
+    if args.json:
+        gammas = [
+            dict(
+                block=label,
+                **{
+                    b: None if c is None else dict(before=asdict(c[0]), after=asdict(c[1]), moved=c[2])
+                    for b, c in branches.items()
+                },
+            )
+            for label, branches in changes
+        ]
+        report = dict(
+            model=name,
+            model_kwargs=overrides,
+            parameters=params,
+            weights=f"random (seed {args.seed})",
+            data=asdict(experiment.data),
+            train=asdict(experiment.train),
+            seconds=round(seconds, 2),
+            diverged_at=result.diverged_at,
+            accuracy=dict(before=acc_before, after=last["test_acc"], chance=1 / data.num_classes),
+            loss=dict(before=loss_before, after=last["test_loss"]),
+            history=result.history,
+            gammas=gammas,
+            plot=str(plot) if plot_line else None,
+        )
+        print(json.dumps(report, indent=1))
+        return 0
+
+    print(
+        f"held-out accuracy: {acc_before:.1%} before training (chance {1 / data.num_classes:.1%}), "
+        f"{last['test_acc']:.1%} after {last['step']} steps ({seconds:.0f} s)"
+    )
+    rows = []
+    for label, branches in changes:
+        row = [label]
+        for c in branches.values():
+            row += ["off", "", ""] if c is None else [fmt(c[0].mean), fmt(c[1].mean), fmt(c[2])]
+        rows.append(row)
+    print("\nLayerScale gammas, mean |gamma| over each branch's channels; moved: mean |after - before|")
+    print(table(["block", "attn before", "after", "moved", "mlp before", "after", "moved"], rows))
+    loudest = max(
+        ((label, b, c[1].mean) for label, branches in changes for b, c in branches.items() if c is not None),
+        key=lambda t: t[2],
+    )
+    print(f"loudest branch now: block {loudest[0]} {loudest[1]} (mean |gamma| {loudest[2]:.3g})")
+    if plot_line:
+        print(plot_line)
+    print(
+        "\nnext: `timm-ls --pretrained` shows the gammas DINOv3 learned in pretraining, `timm-ls inspect FILE` "
+        "those of any checkpoint, `timm-ls ablate` compares training with and without LayerScale"
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ weights
 
 
 def load_image(path: Path) -> Image.Image:
@@ -46,38 +230,77 @@ def load_image(path: Path) -> Image.Image:
         raise CliError(f"cannot read image {path} ({exc}); pass a PNG or JPEG file") from exc
 
 
-def demo(args: argparse.Namespace) -> int:
-    variant, tag = resolve_variant(args.variant)
+def fit_image(picture: Image.Image, model: nn.Module) -> tuple[Image.Image, str]:
+    """The model's input size for this picture, and how it got there, in words: never a silent crop."""
+    width, height = picture.size
+    if not model.dynamic_img_size:
+        target_h, target_w = model.patch_embed.img_size
+        why = "this model takes one size only"
+    else:
+        p = model.patch_size
+        target_w, target_h = (max(p, int(side / p + 0.5) * p) for side in (width, height))  # halves round up
+        why = f"sides must be multiples of {p}"
+    if (target_w, target_h) == (width, height):
+        return picture, f"{width}x{height}, run at its own size (no crop, no resize)"
+    resized = picture.resize((target_w, target_h), Image.BICUBIC)
+    return resized, f"{width}x{height}, resized to {target_w}x{target_h} without cropping ({why})"
+
+
+def show_model(args: argparse.Namespace) -> int:
+    variant, tag = resolve_variant(args.variant or load_experiment(args.config).variant)
     images = [Path(p) for p in args.image] if args.image else sorted(ASSETS.glob("*.png"))
     pictures = [load_image(p) for p in images]
+    plot = plot_target(args)
     with load_report() as report:
         model, source = build(args, variant, tag)
     model.eval()
+    for line in report:
+        if line.startswith("warning: "):
+            warn(line[len("warning: ") :])
+    name = f"{variant.name}{f'.{tag}' if tag else ''}"
     overrides = " ".join(args.model_kwargs)
-    print(f"variant: {variant.name}{f'.{tag}' if tag else ''}{f' ({overrides})' if overrides else ''}")
-    print(f"config: {variant.source}")
-    print(f"weights: {source}")
-    print("".join(f"  {line}\n" for line in report), end="")
+    out = [
+        f"variant: {name}{f' ({overrides})' if overrides else ''}",
+        f"config: {variant.source}",
+        f"weights: {source}",
+        *(f"  {line}" for line in report if not line.startswith("warning: ")),
+    ]
     data_cfg = resolve_data_config({}, model=model)
-    if not model.dynamic_img_size:
-        data_cfg["input_size"] = (3, *model.patch_embed.img_size)
-    transform = create_transform(**data_cfg)
     prefix = model.num_prefix_tokens
+    image_rows = []
     for path, picture in zip(images, pictures):
-        x = transform(picture).unsqueeze(0)
+        fitted, how = fit_image(picture, model)
+        x = normalize(to_tensor(fitted), data_cfg["mean"], data_cfg["std"])
         try:
             with torch.inference_mode():
-                tokens = model.forward_features(x)
+                tokens = model.forward_features(x.unsqueeze(0))
                 pooled = model.forward_head(tokens, pre_logits=True)
-        except (RuntimeError, AssertionError) as exc:
-            raise CliError(
-                f"the model cannot run on {path.name} as {list(x.shape)} ({exc}); check --model-kwargs"
-            ) from exc
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            raise CliError(f"the model cannot run on {path.name} ({exc}); check --model-kwargs") from exc
+        patches = tokens.shape[1] - prefix
+        out.append(f"{path.name}: {how} -> {patches} patch tokens, pooled feature of {pooled.shape[-1]}")
+        image_rows.append(dict(image=str(path), input=how, patch_tokens=patches, pooled=pooled.shape[-1]))
+    blocks = gamma_stats(model.state_dict())
+    if not blocks:
+        out.append("LayerScale: off in this model (no gammas)")
+    plot_line = draw(plot, blocks, f"{name}: {source}") if blocks else ""
+    if args.json:
         print(
-            f"{path.name}: {picture.width}x{picture.height} -> input {list(x.shape)}, "
-            f"pooled {list(pooled.shape)}, patch tokens {list(tokens[:, prefix:].shape)}"
+            json.dumps(
+                dict(
+                    model=name,
+                    weights=source,
+                    images=image_rows,
+                    gammas=[b.to_dict() for b in blocks],
+                    plot=str(plot) if plot_line else None,
+                ),
+                indent=1,
+            )
         )
-    rows = [[str(i), *gamma_stats(block.ls1), *gamma_stats(block.ls2)] for i, block in enumerate(model.blocks)]
-    print("LayerScale gammas:")
-    print(table(["block", "attn mean|g|", "min", "max", "mlp mean|g|", "min", "max"], rows))
+        return 0
+    print("\n".join(out))
+    if blocks:
+        print("LayerScale gammas: " + stats_table(blocks))
+    if plot_line:
+        print(plot_line)
     return 0

@@ -140,13 +140,24 @@ def suspicious_gammas(
             untrained.append(name)
     warnings = []
     if non_finite:
-        warnings.append(f"LayerScale gammas are NaN or Inf in blocks {', '.join(non_finite)}: the checkpoint is broken")
+        warnings.append(
+            f"LayerScale gammas are NaN or Inf in {_branches(non_finite, len(kept))}: the checkpoint is broken"
+        )
     if untrained:
         warnings.append(
-            f"LayerScale gammas in blocks {', '.join(untrained)} all equal an init value: the checkpoint "
-            f"looks saved before training"
+            f"LayerScale gammas equal an init value in {_branches(untrained, len(kept))}: the checkpoint looks "
+            f"saved before training"
         )
     return warnings
+
+
+def _branches(names: list[str], total: int, shown: int = 4) -> str:
+    """`blocks 0.attn, 1.mlp`, or `all 64 branches`, or the first few and how many more: one short line."""
+    if len(names) == total and total > 1:
+        return f"all {total} branches"
+    if len(names) <= shown + 1:
+        return f"blocks {', '.join(names)}"
+    return f"blocks {', '.join(names[:shown])} and {len(names) - shown} more ({len(names)} of {total} branches)"
 
 
 @torch.no_grad()

@@ -1,0 +1,324 @@
+"""`timm-ls inspect`: per block and branch |gamma| statistics from files in every layout, names and variants."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from conftest import TINY, move_off_init_
+from PIL import Image
+from safetensors.torch import save_file
+from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+from timm_layerscale.cli import main
+from timm_layerscale.tools.gammas import BranchStats, gamma_stats
+from timm_layerscale.tools.plots import gamma_figure
+
+NAME = "vit_ls_small_patch16_dinov3"
+# Gammas chosen so that every statistic is known exactly: (attn, mlp) per block, |gamma| stats below.
+SET_GAMMAS = {
+    0: (torch.tensor([-2.0, 1e-4, 0.5, -1e-5]).repeat(16), torch.full((64,), 0.25)),
+    1: (torch.tensor([3.0, -1.0, 2.0, 0.0]).repeat(16), torch.linspace(-1.0, 1.0, 64)),
+}
+EXPECTED = {
+    0: (
+        dict(mean=(2 + 1e-4 + 0.5 + 1e-5) / 4, median=(1e-4 + 0.5) / 2, min=1e-5, max=2.0, muted=0.5),
+        dict(mean=0.25, median=0.25, min=0.25, max=0.25, muted=0.0),
+    ),
+    # |linspace(-1, 1, 64)|: each odd k/63 twice, so the middle two are 31/63 and 33/63, and so is the mean.
+    1: (
+        dict(mean=1.5, median=1.5, min=0.0, max=3.0, muted=0.25),
+        dict(mean=32 / 63, median=32 / 63, min=1 / 63, max=1.0, muted=0.0),
+    ),
+}
+
+
+def inspect(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["inspect", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def inspect_json(capsys, *args: str) -> dict:
+    code, out, err = inspect(capsys, *args, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def expected_stats(gamma: torch.Tensor) -> dict[str, float]:
+    """Independent of the code under test: quantile's linear interpolation gives the middle-two median."""
+    g = gamma.detach().double().abs().flatten()
+    return dict(
+        mean=g.mean().item(),
+        median=torch.quantile(g, 0.5).item(),
+        min=g.min().item(),
+        max=g.max().item(),
+        muted=(g < 1e-3).double().mean().item(),
+    )
+
+
+def assert_stats(found: dict, expected: dict[str, float]) -> None:
+    for key, value in expected.items():
+        assert found[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (key, found, expected)
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("inspect") / "ours.safetensors"
+    sd = timm.create_model(NAME, **TINY).state_dict()
+    for block, (attn, mlp) in SET_GAMMAS.items():
+        sd[f"blocks.{block}.ls1.gamma"], sd[f"blocks.{block}.ls2.gamma"] = attn, mlp
+    save_file({k: v.contiguous() for k, v in sd.items()}, path)
+    return path
+
+
+def test_numbers_of_gammas_the_test_set(ours, capsys):
+    result = inspect_json(capsys, ours)
+    assert result["source"] == str(ours) and result["spellings"] == ["lsN.gamma"]
+    assert result["gammas_read"] == 4 and result["muted_below"] == 1e-3
+    assert [b["block"] for b in result["blocks"]] == ["0", "1"]
+    for block, (attn, mlp) in EXPECTED.items():
+        assert_stats(result["blocks"][block]["attn"], attn)
+        assert_stats(result["blocks"][block]["mlp"], mlp)
+        assert result["blocks"][block]["attn"]["channels"] == 64
+
+
+def test_table_shows_the_same_numbers(ours, capsys):
+    code, out, _ = inspect(capsys, ours)
+    assert code == 0
+    assert "read only the 4 gamma tensors" in out
+    rows = [line.split() for line in out.splitlines() if line[:2] in ("0 ", "1 ")]
+    assert rows == [
+        ["0", "0.625", "0.25", "2", "50%", "0.25", "0.25", "0.25", "0%"],
+        ["1", "1.5", "1.5", "3", "25%", "0.508", "0.508", "1", "0%"],
+    ]
+    assert "attn: mean |gamma| from 0.625 (block 0) to 1.5 (block 1); 37.5% of channels muted" in out
+
+
+def test_png_is_a_valid_image_with_both_branches(ours, tmp_path, capsys):
+    code, out, _ = inspect(capsys, ours, "--plot", tmp_path / "gammas.png")
+    assert code == 0 and f"plot: {tmp_path / 'gammas.png'}" in out
+    image = Image.open(tmp_path / "gammas.png")
+    assert image.format == "PNG" and image.size == (750, 400)
+    colours = {pixel[:3] for _, pixel in image.convert("RGB").getcolors(1 << 20)}
+    assert (31, 119, 180) in colours and (255, 127, 14) in colours  # the attn and mlp lines
+    assert not list(tmp_path.glob(".gammas*"))  # no temporary file left
+
+
+def test_muted_means_strictly_below_one_thousandth():
+    stats = BranchStats.of(torch.tensor([1e-3, -9.99e-4, 0.0, -2e-3]))
+    assert stats.muted == 0.5 and stats.channels == 4 and stats.min == 0.0
+
+
+def test_the_figure_draws_each_branch_on_a_log_axis(ours):
+    from safetensors.torch import load_file
+
+    blocks = gamma_stats(load_file(ours))
+    before = gamma_stats({k: torch.full_like(v, 1e-5) for k, v in load_file(ours).items() if k.endswith("gamma")})
+    ax = gamma_figure(blocks, "title", before=before).axes[0]
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "block"
+    lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert lines["attn mean |gamma|"] == pytest.approx([EXPECTED[0][0]["mean"], EXPECTED[1][0]["mean"]], rel=1e-5)
+    assert lines["mlp mean |gamma|"] == pytest.approx([EXPECTED[0][1]["mean"], EXPECTED[1][1]["mean"]], rel=1e-5)
+    assert lines["attn before"] == pytest.approx([1e-5, 1e-5])
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # attn: from min (block 1's 0, drawn at 1e-8) to max
+    assert band.min() == pytest.approx(1e-8) and band.max() == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    ("model", "spelling", "keys"),
+    [
+        ("vit_small_patch16_dinov3", "gamma_N", ("gamma_1", "gamma_2")),  # timm eva
+        ("deit3_small_patch16_224", "lsN.gamma", ("ls1.gamma", "ls2.gamma")),  # timm vision_transformer
+    ],
+)
+def test_timm_eva_and_deit3_checkpoints(model, spelling, keys, tmp_path, capsys):
+    torch.manual_seed(0)
+    reference = move_off_init_(timm.create_model(model, depth=3))
+    with torch.no_grad():
+        reference.blocks[1].get_parameter(keys[1])[:40] = 1e-4  # a muted share to count
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, tmp_path / "timm.safetensors")
+    result = inspect_json(capsys, tmp_path / "timm.safetensors")
+    assert result["spellings"] == [spelling] and len(result["blocks"]) == 3
+    for i, block in enumerate(reference.blocks):
+        attn, mlp = (block.get_parameter(k) for k in keys)
+        assert_stats(result["blocks"][i]["attn"], expected_stats(attn))
+        assert_stats(result["blocks"][i]["mlp"], expected_stats(mlp))
+    assert result["blocks"][1]["mlp"]["muted"] == pytest.approx(40 / 384)
+
+
+def test_cait_lists_its_class_attention_blocks_after_the_trunk(tmp_path, capsys):
+    torch.manual_seed(0)
+    kwargs = dict(depth=2, depth_token_only=1, embed_dim=64, num_heads=4, img_size=64)
+    reference = move_off_init_(timm.create_model("cait_xxs24_224", **kwargs))
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, tmp_path / "cait.safetensors")
+    result = inspect_json(capsys, tmp_path / "cait.safetensors")
+    assert [b["block"] for b in result["blocks"]] == ["blocks.0", "blocks.1", "blocks_token_only.0"]
+    for found, block in zip(result["blocks"], [*reference.blocks, *reference.blocks_token_only]):
+        assert_stats(found["attn"], expected_stats(block.gamma_1))
+        assert_stats(found["mlp"], expected_stats(block.gamma_2))
+
+
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_transformers_checkpoint(prefix, tmp_path, capsys):
+    """Hub files say `layer.N.`; transformers 5 names the same blocks `model.layer.N.` in memory."""
+    config = DINOv3ViTConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256, num_register_tokens=4
+    )
+    torch.manual_seed(0)
+    reference = move_off_init_(DINOv3ViTModel(config))
+    sd = {prefix + k.removeprefix("model."): v.contiguous() for k, v in reference.state_dict().items()}
+    assert f"{prefix}layer.1.layer_scale2.lambda1" in sd
+    save_file(sd, tmp_path / "hf.safetensors")
+    result = inspect_json(capsys, tmp_path / "hf.safetensors")
+    assert result["spellings"] == ["layer_scaleN.lambda1"] and [b["block"] for b in result["blocks"]] == ["0", "1"]
+    for i in range(2):
+        assert_stats(result["blocks"][i]["attn"], expected_stats(sd[f"{prefix}layer.{i}.layer_scale1.lambda1"]))
+        assert_stats(result["blocks"][i]["mlp"], expected_stats(sd[f"{prefix}layer.{i}.layer_scale2.lambda1"]))
+
+
+def test_a_hub_folder_is_read_through_its_weights_file(tmp_path, capsys):
+    config = DINOv3ViTConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256, num_register_tokens=4
+    )
+    torch.manual_seed(0)
+    reference = move_off_init_(DINOv3ViTModel(config))
+    reference.save_pretrained(tmp_path / "hf")
+    result = inspect_json(capsys, tmp_path / "hf")
+    assert result["weights"].startswith("Hub folder")
+    for i, layer in enumerate(reference.model.layer):
+        assert_stats(result["blocks"][i]["attn"], expected_stats(layer.layer_scale1.lambda1))
+        assert_stats(result["blocks"][i]["mlp"], expected_stats(layer.layer_scale2.lambda1))
+
+
+@pytest.mark.parametrize(("weights", "value"), [("auto", 2.0), ("raw", 0.5)])
+def test_training_checkpoint_takes_the_weights_set_asked_for(weights, value, tmp_path, capsys):
+    sd = timm.create_model(NAME, **TINY).state_dict()
+    scaled = lambda v: {k: torch.full_like(t, v) if k.endswith("gamma") else t for k, t in sd.items()}  # noqa: E731
+    torch.save({"epoch": 3, "state_dict": scaled(0.5), "state_dict_ema": scaled(2.0)}, tmp_path / "last.pth.tar")
+    result = inspect_json(capsys, tmp_path / "last.pth.tar", "--weights", weights)
+    assert result["weights"] == f"torch file, {'state_dict_ema' if weights == 'auto' else 'state_dict'}"
+    assert {b["attn"]["mean"] for b in result["blocks"]} == {value}
+
+
+def test_name_with_checkpoint_reads_the_file_and_checks_it_fits(ours, capsys):
+    result = inspect_json(
+        capsys, NAME, "--checkpoint", ours, "--model-kwargs", "embed_dim=64", "num_heads=4", "depth=2"
+    )
+    assert result["source"] == NAME and result["weights"].startswith(f"{ours} (safetensors file")
+    assert_stats(result["blocks"][1]["attn"], EXPECTED[1][0])
+    code, _, err = inspect(
+        capsys, NAME, "--checkpoint", ours, "--model-kwargs", "depth=2", "embed_dim=128", "num_heads=4"
+    )
+    assert code == 2 and "it has LayerScale in 2 blocks of width [64], " in err and " in 2 of width [128]" in err
+    code, _, err = inspect(capsys, NAME, "--checkpoint", ours)
+    assert code == 2
+    assert err == (
+        f"timm-ls: error: {ours} does not fit {NAME}: it has LayerScale in 2 blocks of width [64], {NAME} in 12 "
+        f"of width [384]; inspect the file alone (`timm-ls inspect {ours}`) or name the model it was made for\n"
+    )
+
+
+def test_random_init_names_and_variant_files_show_their_init_values(tmp_path, capsys):
+    per_block = inspect_json(
+        capsys, NAME, "--model-kwargs", "depth=4", "init_values=[1e-6, {attn: 0.1, mlp: off}, off, {attn: 1, mlp: 2}]"
+    )
+    assert per_block["weights"] == "random init: every gamma is its init value"
+    assert [(b["attn"] and b["attn"]["mean"], b["mlp"] and b["mlp"]["max"]) for b in per_block["blocks"]] == [
+        (1e-6, 1e-6),
+        (0.1, None),
+        (None, None),
+        (1.0, 2.0),
+    ]
+    (tmp_path / "deep.yaml").write_text("base: vit_ls_small_patch16_dinov3\nmodel: {depth: 30, init_values: auto}\n")
+    deep = inspect_json(capsys, tmp_path / "deep.yaml")
+    assert deep["source"] == "deep" and len(deep["blocks"]) == 30
+    assert {b["mlp"]["median"] for b in deep["blocks"]} == {1e-6}  # CaiT's rule past depth 24
+    cait = inspect_json(capsys, "cait_xxs24_224", "--model-kwargs", "depth=2")  # a timm model, built
+    assert [b["block"] for b in cait["blocks"]] == [
+        "blocks.0",
+        "blocks.1",
+        "blocks_token_only.0",
+        "blocks_token_only.1",
+    ]
+    assert {b["attn"]["max"] for b in cait["blocks"]} == {1e-5}
+    seven_b = inspect_json(capsys, "vit_ls_7b_patch16_dinov3")  # from the config: nothing is built
+    assert len(seven_b["blocks"]) == 40 and seven_b["blocks"][0]["attn"]["channels"] == 4096
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["absent.safetensors"], "checkpoint absent.safetensors does not exist"),
+        (["vit_ls_smal_patch16_dinov3"], "did you mean vit_ls_small_patch16_dinov3"),
+        (["vit_small_patch16_224", "--model-kwargs", "depth=1"], "has no LayerScale gammas"),
+        (["{ours}", "--pretrained"], "is a file: inspect it alone"),
+        (["{ours}", "--model-kwargs", "depth=3"], "is a file: inspect it alone"),
+        (["{ours}", "--plot", "gammas.jpg"], "the plot is a PNG"),
+        (["{truncated}"], "is a truncated safetensors file"),
+    ],
+)
+def test_bad_input_is_one_error_line(args, expected, ours, tmp_path, capsys):
+    (tmp_path / "truncated.safetensors").write_bytes(ours.read_bytes()[:3000])
+    args = [a.format(ours=ours, truncated=tmp_path / "truncated.safetensors") for a in args]
+    code, out, err = inspect(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("timm-ls: error: ") and err.count("\n") == 1 and expected in err, err
+
+
+def sparse_safetensors(path: Path, shapes: dict[str, torch.Size], written: dict[str, torch.Tensor]) -> None:
+    """A bf16 safetensors file of these shapes whose only bytes on disk are `written`; the rest is a hole."""
+    header, offset = {}, 0
+    for key, shape in shapes.items():
+        size = shape.numel() * 2
+        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for key, tensor in written.items():
+            f.seek(8 + len(blob) + header[key]["data_offsets"][0])
+            f.write(tensor.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
+        f.truncate(8 + len(blob) + offset)
+
+
+MEASURE = """
+import json, resource, sys
+from timm_layerscale.cli import main
+from timm_layerscale.tools.gammas import BranchStats, gamma_stats
+from timm_layerscale.tools.plots import gamma_figure
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr)
+"""
+
+
+def test_a_7b_checkpoint_reads_only_its_gammas(tmp_path):
+    shapes = {k: v.shape for k, v in timm.create_model("vit_ls_7b_patch16_dinov3", device="meta").state_dict().items()}
+    # Exact in bf16: a quarter of the channels at 2**-12 (muted), the rest at a per-block value.
+    gammas = {}
+    for block in range(40):
+        for branch, value in ((1, (block + 1) / 16), (2, -(2.0 ** -(block % 8)))):
+            gammas[f"blocks.{block}.ls{branch}.gamma"] = torch.cat(
+                [torch.full((1024,), 2.0**-12), torch.full((3072,), value)]
+            )
+    path = tmp_path / "vit7b.safetensors"
+    sparse_safetensors(path, shapes, gammas)
+    assert path.stat().st_size > 13e9 and path.stat().st_blocks * 512 < 50e6  # the 13.4 GB are mostly a hole
+    args = ["inspect", "vit_ls_7b_patch16_dinov3", "--checkpoint", str(path), "--json"]
+    result = subprocess.run([sys.executable, "-c", MEASURE, *args], capture_output=True, text=True, timeout=300)
+    measured = json.loads(result.stderr.strip().splitlines()[-1])
+    assert measured["code"] == 0, result.stderr
+    assert measured["maxrss_kib"] * 1024 < 2.5e9  # reading every tensor would take 13.4 GB
+    blocks = json.loads(result.stdout)["blocks"]
+    assert len(blocks) == 40 and json.loads(result.stdout)["gammas_read"] == 80
+    for block in (0, 17, 39):
+        attn, mlp = (block + 1) / 16, 2.0 ** -(block % 8)
+        assert_stats(blocks[block]["attn"], dict(mean=(2.0**-12 + 3 * attn) / 4, median=attn, max=attn, muted=0.25))
+        assert_stats(blocks[block]["mlp"], dict(mean=(2.0**-12 + 3 * mlp) / 4, median=mlp, max=mlp, muted=0.25))

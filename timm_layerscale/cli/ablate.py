@@ -1,0 +1,365 @@
+"""`timm-ls ablate`: the same deep, narrow ViT-LS trained with each LayerScale init value, all else equal.
+
+Every run shares the weights seed, batch order, learning-rate schedule, step budget and data (shapes
+generated from a seed, nothing downloaded); only `init_values` differs. Writes the curves as CSV and PNG,
+the final gammas as CSV, the experiment as YAML, and a short summary of what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+import yaml
+from torch import nn
+from tqdm import tqdm
+
+from ..config import resolve_init_values
+from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
+from ..tools.files import write_atomically
+from ..tools.gammas import gamma_stats
+from ..tools.plots import missing_matplotlib, plot_curves, plotting_available
+from ..tools.shapes import CLASSES, make_shapes
+from ..tools.trainer import train
+from .common import CliError, parse_model_kwargs, resolve_variant, warn
+
+CURVE_COLUMNS = ("init_values", "seed", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc")
+GAMMA_COLUMNS = ("init_values", "seed", "block", "attn_mean_abs_gamma", "mlp_mean_abs_gamma")
+OUTPUTS = ("curves.csv", "curves.png", "gammas.csv", "summary.txt", "experiment.yaml")
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "ablate",
+        help="train one deep, narrow ViT-LS per init value and compare (about 6 minutes on 2 idle cores)",
+        description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=str(experiments_dir() / "ablate.yaml"),
+        help="the experiment (default: the shipped ablate.yaml); the flags below override it",
+    )
+    parser.add_argument("--variant", help="NAME or a YAML variant file whose architecture rules are used")
+    parser.add_argument("--depth", type=int, help="blocks")
+    parser.add_argument("--width", type=int, help="embed_dim")
+    parser.add_argument("--heads", type=int, help="num_heads")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--warmup", type=int, help="linear warmup steps")
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--init-values", nargs="+", metavar="V", help="e.g. off 0.1 1e-4 1e-6")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="S", help="e.g. 0 1 2")
+    parser.add_argument(
+        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="other VitLsConfig fields"
+    )
+    parser.add_argument("--jobs", type=int, help="runs side by side, one thread each (default: one per core)")
+    parser.add_argument(
+        "--out", default="layerscale_ablation", metavar="DIR", help="output folder (default %(default)s)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+    parser.set_defaults(func=ablate)
+
+
+def init_label(value: Any) -> str:
+    resolved = resolve_init_values(value, 1)[0][0]
+    return "off" if resolved is None else f"{resolved:g}"
+
+
+def _with_flags(experiment: Experiment, args: argparse.Namespace) -> Experiment:
+    model = dict(experiment.model)
+    for flag, key in (("depth", "depth"), ("width", "embed_dim"), ("heads", "num_heads")):
+        if getattr(args, flag) is not None:
+            model[key] = getattr(args, flag)
+    model.update(parse_model_kwargs(args.model_kwargs))
+    if "init_values" in model:
+        raise CliError("set init_values with --init-values (a list, one run each), not --model-kwargs")
+    train_changes = {
+        k: getattr(args, k) for k in ("steps", "lr", "warmup", "batch_size") if getattr(args, k) is not None
+    }
+    experiment = experiment.replace(
+        variant=args.variant or experiment.variant,
+        model=model,
+        init_values=tuple(args.init_values) if args.init_values else experiment.init_values,
+        seeds=tuple(args.seeds) if args.seeds else experiment.seeds,
+        train=dataclasses.replace(experiment.train, **train_changes),
+    )
+    if not experiment.init_values:
+        raise CliError(f"{experiment.source}: no init_values to compare; list some, e.g. --init-values off 1e-6")
+    labels = [init_label(v) for v in experiment.init_values]  # checks each value
+    if len(set(labels)) != len(labels):
+        raise CliError(f"--init-values: {labels} repeats a value; give each once")
+    return check(experiment, "--config and flags")
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+def build_model(experiment: Experiment, init_value: Any, seed: int, **kwargs: Any) -> nn.Module:
+    """A run's model. The weights come from `seed` alone: the runs of one seed differ only in their gammas."""
+    variant, tag = resolve_variant(experiment.variant)
+    torch.manual_seed(seed)
+    return timm.create_model(
+        f"{variant.name}.{tag}" if tag else variant.name,
+        num_classes=len(CLASSES),
+        **{**experiment.model, "init_values": init_value},
+        **kwargs,
+    )
+
+
+def run_one(experiment: Experiment, init_value: Any, seed: int, progress=None) -> dict[str, Any]:
+    """One training run; in a worker process, with one thread, or in this process."""
+    torch.set_num_threads(1)
+    data = make_shapes(experiment.data)
+    model = build_model(experiment, init_value, seed)
+    label = init_label(init_value)
+    start = time.perf_counter()
+    result = train(
+        model,
+        data,
+        experiment.train,
+        seed=seed,
+        on_step=None if progress is None else lambda step, loss: progress.put((label, seed, 1)),
+    )
+    gammas = [
+        (b.label, b.attn.mean if b.attn else math.nan, b.mlp.mean if b.mlp else math.nan)
+        for b in gamma_stats(model.state_dict())
+    ]
+    if progress is not None and result.diverged_at is not None:
+        progress.put((label, seed, experiment.train.steps - result.diverged_at + 1))
+    return dict(
+        label=label,
+        seed=seed,
+        history=result.history,
+        diverged_at=result.diverged_at,
+        gammas=gammas,
+        seconds=time.perf_counter() - start,
+    )
+
+
+_worker_progress = None  # in a worker process: the queue its steps are reported on
+
+
+def _start_worker(progress) -> None:
+    global _worker_progress
+    _worker_progress = progress
+
+
+def _run_in_worker(experiment: Experiment, init_value: Any, seed: int) -> dict[str, Any]:
+    return run_one(experiment, init_value, seed, progress=_worker_progress)
+
+
+def _run_all(experiment: Experiment, jobs: int) -> list[dict[str, Any]]:
+    plan = [(v, s) for s in experiment.seeds for v in experiment.init_values]
+    with tqdm(
+        total=len(plan) * experiment.train.steps, desc="ablation", unit="step", file=sys.stderr, disable=None
+    ) as bar:
+        if jobs == 1:
+            results = []
+            for value, seed in plan:
+                bar.set_postfix_str(f"init_values={init_label(value)} seed={seed}")
+                results.append(run_one(experiment, value, seed, progress=_BarQueue(bar)))
+            return results
+        # spawn, not fork: a forked copy of a process that has run OpenMP threads can hang.
+        context = multiprocessing.get_context("spawn")
+        progress = context.Queue()
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_start_worker, initargs=(progress,)) as pool:
+            futures = [pool.submit(_run_in_worker, experiment, v, s) for v, s in plan]
+            pending = set(futures)
+            while pending:
+                _, pending = wait(pending, timeout=0.2)
+                while not progress.empty():
+                    bar.update(progress.get()[2])
+            return [f.result() for f in futures]
+
+
+class _BarQueue:
+    """The queue interface over a progress bar, for runs in this process."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+
+    def put(self, item: tuple[str, int, int]) -> None:
+        self.bar.update(item[2])
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+
+
+def _csv(columns: tuple[str, ...], rows: list[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, columns, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+    return out.getvalue()
+
+
+def _spread(values: list[float]) -> str:
+    mean = sum(values) / len(values)
+    return f"{mean:.1%}" + (f" (seeds {min(values):.1%} to {max(values):.1%})" if len(values) > 1 else "")
+
+
+def summarise(experiment: Experiment, results: list[dict[str, Any]]) -> list[str]:
+    """What happened, in plain words, including when LayerScale did not help."""
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    final_acc = {
+        label: [
+            r["history"][-1]["test_acc"] if r["history"] and not r["diverged_at"] else math.nan
+            for r in results
+            if r["label"] == label
+        ]
+        for label in labels
+    }
+    lines = []
+    for label in labels:
+        runs = [r for r in results if r["label"] == label]
+        diverged = [r for r in runs if r["diverged_at"]]
+        accs = [a for a in final_acc[label] if math.isfinite(a)]
+        losses = [r["history"][-1]["train_loss"] for r in runs if r["history"] and not r["diverged_at"]]
+        line = f"init_values {label}: "
+        line += f"held-out accuracy {_spread(accs)}" if accs else "no finished run"
+        if losses:
+            line += f", last training loss {sum(losses) / len(losses):.3f}"
+        if diverged:
+            line += (
+                f"; {len(diverged)} of {len(runs)} runs diverged (NaN/Inf loss, at step {diverged[0]['diverged_at']})"
+            )
+        gammas = [g for r in runs for _, a, m in r["gammas"] for g in (a, m) if math.isfinite(g)]
+        if gammas:
+            line += f"; mean |gamma| at the end {sum(gammas) / len(gammas):.3g}"
+        lines.append(line)
+
+    def mean(label: str) -> float:
+        finite = [a for a in final_acc[label] if math.isfinite(a)]
+        return sum(finite) / len(finite) if finite and len(finite) == len(final_acc[label]) else -math.inf
+
+    def spread(label: str) -> float:
+        finite = [a for a in final_acc[label] if math.isfinite(a)]
+        return max(finite) - min(finite) if finite else 0.0
+
+    ranked = sorted(labels, key=mean, reverse=True)
+    seeds = len(experiment.seeds)
+    if "off" in labels and len(labels) > 1:
+        best = next(label for label in ranked if label != "off")
+        gap = mean(best) - mean("off")
+        noise = max(spread(best), spread("off"))
+        versus = f"off and the best init ({best})"
+        if seeds == 1:
+            verdict = (
+                f"best LayerScale init {best} vs off: {gap * 100:+.1f} points of held-out accuracy, from one seed, "
+                f"so a gap of a few points may be noise; run --seeds 0 1 2 to see the spread"
+            )
+        elif abs(gap) > noise:
+            winner = (
+                f"LayerScale helped here: init {best} beat off"
+                if gap > 0
+                else f"LayerScale did not help here: off beat the best init ({best})"
+            )
+            verdict = f"{winner} by {abs(gap) * 100:.1f} points, more than the seeds' spread ({noise * 100:.1f})"
+        else:
+            verdict = (
+                f"no clear difference: {versus} are {abs(gap) * 100:.1f} points apart, within the seeds' spread "
+                f"({noise * 100:.1f})"
+            )
+        lines.append(verdict)
+    lines.append("ranking by mean held-out accuracy: " + " > ".join(ranked))
+    model = experiment.model
+    lines.insert(
+        0,
+        f"{experiment.variant} with {' '.join(f'{k}={v}' for k, v in model.items())}, {experiment.train.describe()}, "
+        f"seeds {', '.join(map(str, experiment.seeds))}; data: {experiment.data.describe()}",
+    )
+    return lines
+
+
+def _check_models(experiment: Experiment) -> None:
+    """Every run's model is built on `meta` first: a bad name, size or init value fails now, not in a worker."""
+    for value in experiment.init_values:
+        build_model(experiment, value, seed=0, device="meta")
+
+
+def _title(experiment: Experiment) -> str:
+    model, train = experiment.model, experiment.train
+    seeds = len(experiment.seeds)
+    return (
+        f"{experiment.variant} depth {model.get('depth')}, width {model.get('embed_dim')}: {train.steps} steps, "
+        f"batch {train.batch_size}, lr {train.lr:g}, on generated shapes; "
+        f"{'mean of ' + str(seeds) + ' seeds, band min to max' if seeds > 1 else 'one seed'}"
+    )
+
+
+def _final_gammas(results: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per init value with LayerScale: mean |gamma| per block at the end, over both branches and the seeds."""
+    per_label: dict[str, list[list[float]]] = {}
+    for r in results:
+        values = [(a + m) / 2 for _, a, m in r["gammas"]]
+        if values and all(math.isfinite(v) for v in values):
+            per_label.setdefault(r["label"], []).append(values)
+    return {label: [sum(col) / len(col) for col in zip(*runs)] for label, runs in per_label.items()}
+
+
+def ablate(args: argparse.Namespace) -> int:
+    experiment = _with_flags(load_experiment(args.config), args)
+    _check_models(experiment)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} is a file; pass a folder")
+    existing = [name for name in OUTPUTS if (out / name).exists()]
+    if existing and not args.overwrite:
+        raise CliError(f"{out} already holds results ({', '.join(existing)}); pass another --out or --overwrite")
+    runs = len(experiment.init_values) * len(experiment.seeds)
+    jobs = args.jobs or min(
+        runs, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    )
+    if jobs < 1:
+        raise CliError(f"--jobs: got {jobs}; allowed: a positive integer")
+    draw = plotting_available()
+    if not draw:
+        warn(f"no curves.png: {missing_matplotlib()}; the CSV files and the summary are still written")
+    print(
+        f"ablation: {runs} runs ({len(experiment.init_values)} init values x {len(experiment.seeds)} seeds), "
+        f"{experiment.train.steps} steps each, {jobs} at a time; results go to {out}/",
+        flush=True,
+    )
+    start = time.perf_counter()
+    results = _run_all(experiment, jobs)
+    out.mkdir(parents=True, exist_ok=True)
+    curves = [dict(init_values=r["label"], seed=r["seed"], **row) for r in results for row in r["history"]]
+    write_atomically(out / "curves.csv", _csv(CURVE_COLUMNS, curves))
+    gamma_rows = [
+        dict(init_values=r["label"], seed=r["seed"], block=block, attn_mean_abs_gamma=a, mlp_mean_abs_gamma=m)
+        for r in results
+        for block, a, m in r["gammas"]
+    ]
+    write_atomically(out / "gammas.csv", _csv(GAMMA_COLUMNS, gamma_rows))
+    plain = dataclasses.asdict(experiment)
+    plain.pop("source")
+    plain["init_values"] = [v if v == "off" else float(v) for v in map(init_label, experiment.init_values)]
+    plain["seeds"] = list(experiment.seeds)
+    write_atomically(out / "experiment.yaml", yaml.safe_dump(plain, sort_keys=False))
+    summary = summarise(experiment, results)
+    write_atomically(out / "summary.txt", "\n".join(summary) + "\n")
+    if draw:
+        by_label: dict[str, list[dict[str, float]]] = {}
+        for row in curves:
+            by_label.setdefault(row["init_values"], []).append(row)
+        plot_curves(by_label, out / "curves.png", _title(experiment), gammas=_final_gammas(results))
+    print("\n".join(summary[1:]))
+    print(
+        f"wrote {', '.join(n for n in OUTPUTS if draw or n != 'curves.png')} to {out}/ "
+        f"in {time.perf_counter() - start:.0f} s"
+    )
+    return 0

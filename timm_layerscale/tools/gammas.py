@@ -1,0 +1,113 @@
+"""LayerScale gammas per block and branch, from any state dict or lazily read checkpoint.
+
+Only the gamma tensors are read: `tensors` may be a `LazyCheckpoint`, whose other tensors stay on disk.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+
+MUTED_BELOW = 1e-3
+BRANCHES = ("attn", "mlp")
+# Spellings of a block's LayerScale parameter after `<stack>.<block>.`; the group is the branch (1 attn, 2 mlp).
+GAMMA_SPELLINGS = {
+    "lsN.gamma": re.compile(r"ls([12])\.gamma"),  # ours, Meta DINOv2/DINOv3, timm vision_transformer (DeiT-III)
+    "gamma_N": re.compile(r"gamma_([12])"),  # timm eva and cait, the original DeiT-III and CaiT
+    "layer_scaleN.lambda1": re.compile(r"layer_scale([12])\.lambda1"),  # transformers DINOv2/DINOv3
+}
+BLOCK_KEY = re.compile(r"^(?P<stack>(?:.+\.)?[A-Za-z_]\w*)\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+@dataclass(frozen=True)
+class BranchStats:
+    """|gamma| over the channels of one branch."""
+
+    mean: float
+    median: float
+    min: float
+    max: float
+    muted: float  # share of channels with |gamma| < MUTED_BELOW
+    channels: int
+
+    @classmethod
+    def of(cls, gamma: torch.Tensor) -> BranchStats:
+        g = gamma.detach().float().abs().flatten()
+        median = g.sort().values[(len(g) - 1) // 2 : len(g) // 2 + 1].mean()  # the middle one or two
+        values = (g.mean(), median, g.min(), g.max(), (g < MUTED_BELOW).double().mean())
+        mean, median, low, high, muted = (float(f"{v.item():.7g}") for v in values)  # float32's own digits
+        return cls(mean=mean, median=median, min=low, max=high, muted=muted, channels=len(g))
+
+
+@dataclass(frozen=True)
+class BlockGammas:
+    label: str  # the block index, prefixed by its stack where a model has several (CaiT)
+    key: str  # `<stack>.<index>` in the source
+    attn: BranchStats | None  # None: this branch has no LayerScale
+    mlp: BranchStats | None
+
+    def branch(self, name: str) -> BranchStats | None:
+        return getattr(self, name)
+
+    def to_dict(self) -> dict:
+        return {
+            "block": self.label,
+            **{b: None if s is None else asdict(s) for b, s in zip(BRANCHES, (self.attn, self.mlp))},
+        }
+
+
+def find_gamma_keys(keys: list[str]) -> tuple[dict[tuple[str, int], dict[str, str]], list[str]]:
+    """{(stack, block): {branch: key}} for every block of a stack that has gammas, and the spellings seen.
+
+    Blocks of those stacks without any gamma get an empty entry: their LayerScale is off.
+    """
+    found: dict[tuple[str, int], dict[str, str]] = {}
+    spellings: list[str] = []
+    blocks: dict[str, set[int]] = {}
+    for key in keys:
+        match = BLOCK_KEY.match(key)
+        if match is None:
+            continue
+        stack, index = match["stack"], int(match["index"])
+        blocks.setdefault(stack, set()).add(index)
+        for spelling, pattern in GAMMA_SPELLINGS.items():
+            if branch := pattern.fullmatch(match["rest"]):
+                found.setdefault((stack, index), {})[BRANCHES[int(branch[1]) - 1]] = key
+                if spelling not in spellings:
+                    spellings.append(spelling)
+    stacks = list(dict.fromkeys(stack for stack, _ in found))
+    ordered = {(s, i): found.get((s, i), {}) for s in stacks for i in sorted(blocks[s])}
+    return ordered, spellings
+
+
+def gamma_stats(tensors: Mapping[str, torch.Tensor]) -> list[BlockGammas]:
+    """Per block and branch |gamma| statistics, in block order; empty when there is no LayerScale."""
+    keys, _ = find_gamma_keys(list(tensors))
+    several_stacks = len({stack for stack, _ in keys}) > 1
+    result = []
+    for (stack, index), branches in keys.items():
+        stats = {b: BranchStats.of(tensors[k]) for b, k in branches.items()}
+        label = f"{stack.rsplit('.', 1)[-1]}.{index}" if several_stacks else str(index)
+        result.append(BlockGammas(label, f"{stack}.{index}", stats.get("attn"), stats.get("mlp")))
+    return result
+
+
+def fmt(value: float | None) -> str:
+    return "off" if value is None else f"{value:.3g}"
+
+
+def stats_rows(blocks: list[BlockGammas]) -> tuple[list[str], list[list[str]]]:
+    header = ["block"]
+    for branch in BRANCHES:
+        header += [f"{branch} mean", "median", "max", "muted"]
+    rows = []
+    for block in blocks:
+        row = [block.label]
+        for branch in BRANCHES:
+            s = block.branch(branch)
+            row += ["off", "", "", ""] if s is None else [fmt(s.mean), fmt(s.median), fmt(s.max), f"{s.muted:.0%}"]
+        rows.append(row)
+    return header, rows
