@@ -15,11 +15,13 @@ from typing import Any
 import yaml
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from .config import VitLsConfig
 from .conversion import CheckpointError, checkpoint_filter_fn
 from .conversion.reader import KIND_LEGACY_TORCH, KIND_SAFETENSORS, KIND_TORCH, open_checkpoint
+from .hub import hub_weights
 from .model import VisionTransformerLS
 
 __all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
@@ -135,10 +137,30 @@ def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
         )
 
 
+def _hub_overlay(variant: Variant, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The caller's overlay plus the local copy of the Hub weights the resolved pretrained cfg names (a tag's
+    `hf_hub_id`, an `hf-hub:` repo), or None where it names no Hub source (a file, a state dict, `local-dir:`)."""
+    overlay = kwargs.get("pretrained_cfg_overlay")
+    cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay).to_dict()
+    from_hub = cfg.get("source") == "hf-hub" or not (cfg.get("file") or cfg.get("state_dict"))
+    if not (cfg.get("hf_hub_id") and from_hub and cfg.get("source") != "local-dir"):
+        return None
+    weights = hub_weights(cfg)
+    # timm's file loader reads one file; a sharded repo's index goes in as the checkpoint's tensors.
+    local = dict(file=str(weights)) if weights.is_file() and not weights.name.endswith(".json") else None
+    if local is None:  # left open: the tensors may be views of its mapped shards
+        local = dict(state_dict=dict(open_checkpoint(weights).items()))
+    return {**(overlay or {}), **local, "source": "hub-cache"}
+
+
 def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
     """Builds a variant through timm's builder: the YAML's arguments, the tag's, then the caller's."""
     tag = _requested_tag(variant, kwargs.get("pretrained_cfg"))
     if pretrained:
+        # Hub weights come through `hub.hub_weights` (one-line errors, shards), then load as a local file.
+        overlay = _hub_overlay(variant, kwargs)
+        if overlay is not None:
+            kwargs["pretrained_cfg_overlay"] = overlay
         _check_pretrained_file(kwargs.get("pretrained_cfg_overlay"))
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
     # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
