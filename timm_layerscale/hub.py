@@ -3,8 +3,8 @@
 `hub_weights` turns a tag's `hf_hub_id` (or an `hf-hub:` name) into local weights, downloaded and cached
 by huggingface_hub as usual: one file, or a sharded repo's index with every shard beside it. What can go
 wrong on the way (a gated repo, a missing file, a cut download, no network, offline with nothing cached)
-is one `HubError` line naming the fix. Partial downloads are huggingface_hub's `.incomplete` files: resumed
-by the next download, never returned.
+is one `HubError` line naming the fix. A cut download is resumed by huggingface_hub's own retries (HTTP
+Range requests); its partial `.incomplete` file is removed when they fail and is never returned.
 
 `save_for_hub` and `push_to_hub` write and upload a model as the `native` conversion target does: one
 `model.safetensors`, timm's `config.json` with every model argument, and a model card.
@@ -25,6 +25,7 @@ from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -83,7 +84,7 @@ def _cached(
     return None
 
 
-def _no_download(repo_id: str, ungated: str, exc: BaseException) -> HubError:
+def _no_download(repo_id: str, filename: str, revision: str | None, ungated: str, exc: BaseException) -> HubError:
     """The one line for an error of `hf_hub_download` that no other file of the repo can cure."""
     page = f"{constants.ENDPOINT}/{repo_id}"
     if isinstance(exc, GatedRepoError):
@@ -99,17 +100,26 @@ def _no_download(repo_id: str, ungated: str, exc: BaseException) -> HubError:
             f"repository needs `hf auth login` or HF_TOKEN"
         )
     if isinstance(exc, RevisionNotFoundError):
-        return HubError(f"{repo_id} has no revision {exc.response.url.path.split('/')[4]!r}: check the @revision")
+        return HubError(f"{repo_id} has no revision {revision!r}: check the @revision in its name")
     if isinstance(exc, HfHubHTTPError):
         status = exc.response.status_code if exc.response is not None else "error"
         return HubError(f"the Hub answered HTTP {status} for {repo_id} ({reason(exc)}); try again later")
     return HubError(
-        f"the download from {repo_id} was cut short ({type(exc).__name__}: {reason(exc)}); run it again: "
-        f"huggingface_hub resumes the partial file in its cache, which is never loaded"
+        f"the download of {filename} from {repo_id} was cut short ({type(exc).__name__}: {reason(exc)}), also on "
+        f"huggingface_hub's resumed retries; the partial file was removed, not loaded: try again"
     )
 
 
-def _not_cached(repo_id: str, filenames: tuple[str, ...], exc: LocalEntryNotFoundError) -> HubError:
+def _from_cache(
+    repo_id: str, filenames: tuple[str, ...], revision: str | None, cache_dir: str | Path | None, exc: BaseException
+) -> Path:
+    path = _cached(repo_id, filenames, revision, cache_dir)
+    if path is None:
+        raise _not_cached(repo_id, filenames, exc) from None
+    return path
+
+
+def _not_cached(repo_id: str, filenames: tuple[str, ...], exc: BaseException) -> HubError:
     cache = constants.HF_HUB_CACHE
     if constants.HF_HUB_OFFLINE:
         why = "HF_HUB_OFFLINE is set"
@@ -144,18 +154,25 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
     candidates = (filename,) if filename else WEIGHT_FILES
     path = None
     for name in candidates:
-        try:
-            path = _download(repo_id, name, revision, cache_dir)
-            break
-        except LocalEntryNotFoundError as exc:  # offline, or no Hub: what the cache has, whatever its name
-            path = _cached(repo_id, candidates, revision, cache_dir)
-            if path is None:
-                raise _not_cached(repo_id, candidates, exc) from None
-            break
+        try:  # one quick look first: huggingface_hub's download retries an unreachable Hub for about 25 s
+            if constants.HF_HUB_OFFLINE:
+                raise OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
+            huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, name, revision=revision))
         except EntryNotFoundError:  # this file is not in the repo: try the next name
             continue
+        except HfHubHTTPError as exc:
+            if exc.response is None or exc.response.status_code < 500:
+                raise _no_download(repo_id, name, revision, ungated, exc) from exc
+            path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
+            break
+        except Exception as exc:  # offline or no Hub: what the cache has, under whichever name
+            path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
+            break
+        try:
+            path = _download(repo_id, name, revision, cache_dir)
         except Exception as exc:
-            raise _no_download(repo_id, ungated, exc) from exc
+            raise _no_download(repo_id, name, revision, ungated, exc) from exc
+        break
     if path is None:
         raise HubError(
             f"{repo_id} has no {' or '.join(candidates)} (HTTP 404): see its files on {constants.ENDPOINT}/{repo_id}; "
@@ -181,7 +198,7 @@ def _download_shards(repo_id: str, index: Path, cache_dir: str | Path | None, un
         except EntryNotFoundError:
             raise HubError(f"{repo_id}'s {index.name} names {shard}, which the repo does not have (HTTP 404)") from None
         except Exception as exc:
-            raise _no_download(repo_id, ungated, exc) from exc
+            raise _no_download(repo_id, shard, revision, ungated, exc) from exc
 
 
 # ----------------------------------------------------------------------------------------------- publishing

@@ -50,6 +50,7 @@ class Variant:
     model_args: dict[str, Any]
     tags: dict[str, dict[str, Any]]
     source: str
+    base: str | None = None  # the registered variant its YAML starts from
 
     @property
     def config(self) -> VitLsConfig:
@@ -104,7 +105,7 @@ def load_variant(source: str | Path | dict[str, Any], name: str | None = None) -
         bad = sorted(set(cfg or {}) - set(TAG_CFG_KEYS))
         if bad:
             raise ValueError(f"{where}: pretrained.{tag}: unknown key(s) {bad}; allowed: {list(TAG_CFG_KEYS)}")
-    variant = Variant(name, data.get("description", ""), model_args, tags, where)
+    variant = Variant(name, data.get("description", ""), model_args, tags, where, data.get("base") or None)
     for tag in ("", *tags):  # every tag's architecture must be valid now, not at first use
         VitLsConfig.from_dict({**model_args, **variant.tag_model_args(tag)}, source=where)
     return variant
@@ -198,9 +199,14 @@ def register_variant(source: str | Path | dict[str, Any], name: str | None = Non
 
 
 def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
-    """A shipped variant to name in a saved config: `name` if it is one, else the one whose arguments
-    differ least from `config` (the saved config carries every argument, so any shipped name rebuilds it)."""
+    """A shipped variant to name in a saved config: `name` if it is one, else the shipped one its YAML
+    starts from (`base:`, followed), else the one whose arguments differ least from `config` (the saved
+    config carries every argument, so any shipped name rebuilds it)."""
     shipped = {n: v for n, v in VARIANTS.items() if Path(v.source).parent == config_dir()}
+    seen = set()
+    while name in VARIANTS and name not in shipped and name not in seen:
+        seen.add(name)
+        name = VARIANTS[name].base
     if name in shipped:
         return name
     values = config.to_dict()
