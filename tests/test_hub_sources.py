@@ -25,8 +25,15 @@ from safetensors.torch import save_file
 from timm.models import get_pretrained_cfg
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-from timm_layerscale import VitLsConfig, fold_layer_scale, register_variant
-from timm_layerscale.hub import HubError, hub_weights, push_to_hub, save_for_hub
+from timm_layerscale import (
+    HubError,
+    VitLsConfig,
+    fold_layer_scale,
+    hub_weights,
+    push_to_hub,
+    register_variant,
+    save_for_hub,
+)
 
 OFFICIAL = "facebook/dinov3-vits16-pretrain-lvd1689m"
 OFFICIAL_7B_SAT = "facebook/dinov3-vit7b16-pretrain-sat493m"
