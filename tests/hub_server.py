@@ -8,6 +8,7 @@ Serves ``root/<org>/<name>/<files>`` as model repo ``<org>/<name>`` through the
 Beyond that, as the Hub answers:
 - ``gated``: repo id -> the tokens with access. Others get 401 without a token and 403 with one, with
   ``X-Error-Code: GatedRepo`` (what huggingface_hub turns into ``GatedRepoError``).
+- ``broken``: repo ids whose files answer HTTP 500.
 - ``cut``: ``repo_id/filename`` -> byte offset. Every GET of that file announces the whole length (or
   range), then stops at that offset of the file and drops the connection (a download cut short); with the
   key also in ``cut_once``, only the next GET is cut.
@@ -86,10 +87,11 @@ class _Handler(BaseHTTPRequestHandler):
             payload = json.loads(body)
             repo_id = f"{payload.get('organization') or 'user'}/{payload['name']}"
             repo = self.hub.root / repo_id
+            answer = {"url": f"{self.hub.url}/{repo_id}", "name": repo_id}
             if repo.is_dir():
-                return self._json({"error": "You already created this model repo"}, 409)
+                return self._json({"error": "You already created this model repo", **answer}, 409)
             repo.mkdir(parents=True)
-            return self._json({"url": f"{self.hub.url}/{repo_id}", "name": repo_id})
+            return self._json(answer)
         if path == _VALIDATE_YAML:  # the model card's metadata block must parse as a YAML mapping
             content = json.loads(body)["content"]
             _, _, rest = content.partition("---\n")
@@ -130,7 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _error(self, code: str, message: str, commit: str | None = None, status: int = 404) -> None:
         self.send_response(status)
-        self.send_header("X-Error-Code", code)
+        if code:
+            self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)
         if commit is not None:
             self.send_header("X-Repo-Commit", commit)
@@ -146,6 +149,8 @@ class _Handler(BaseHTTPRequestHandler):
         if repo.parent.parent != self.hub.root or not repo.is_dir():
             return self._error("RepoNotFound", "Repository not found")
         repo_id = unquote(match["repo"])
+        if repo_id in self.hub.broken:
+            return self._error("", "Internal Error", status=500)
         if repo_id in self.hub.gated:
             token = self.headers.get("Authorization", "").removeprefix("Bearer ")
             if token not in self.hub.gated[repo_id]:
@@ -206,6 +211,7 @@ class LocalHub:
         self.gated: dict[str, set[str]] = dict(gated or {})
         self.cut: dict[str, int] = {}
         self.cut_once: set[str] = set()  # keys of `cut` that apply to one GET only
+        self.broken: set[str] = set()  # repo ids whose files answer HTTP 500
         self.ranges: list[str] = []  # "<path> <Range header>" of each ranged GET
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)

@@ -237,6 +237,21 @@ def test_cut_download_is_resumed_or_removed_never_used(hub: LocalHub, reference,
     assert not list(Path(constants.HF_HUB_CACHE).rglob("*.incomplete"))
 
 
+def test_server_errors_fall_back_to_the_cache(hub: LocalHub, reference, images) -> None:
+    index = hub_weights(SHARDED)
+    hub.broken.update({SHARDED, UNGATED})
+    assert hub_weights(SHARDED) == index
+    sharded = timm.create_model(
+        SMALL, pretrained=True, pretrained_cfg_overlay=dict(hf_hub_id=SHARDED), **FROM_TRANSFORMERS
+    ).eval()
+    assert_matches(sharded, reference, images)
+    assert one_line_error(lambda: hub_weights(UNGATED)) == (
+        f"the Hub ({hub.url}) answered HTTP 500, and the weights of {UNGATED} (model.safetensors or "
+        f"model.safetensors.index.json) are not in the local cache {constants.HF_HUB_CACHE}; try again later, "
+        f"or pass pretrained_cfg_overlay=dict(file=PATH)"
+    )
+
+
 def test_offline_uses_the_cache_or_says_it_is_empty(hub: LocalHub, reference, images, monkeypatch) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     for source in (OFFICIAL, SHARDED):
@@ -321,6 +336,10 @@ def test_push_to_hub_then_hf_hub_rebuilds_the_same_model(hub: LocalHub, images) 
     assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
     assert torch.equal(again(images), model(images))
 
+    with torch.no_grad():  # a second push to the same repo is a new commit
+        model.head.bias.add_(1.0)
+    assert torch.equal(published(model, "someone/small-ls")(images), model(images))
+
     repo = hub.root / "someone/small-ls"
     assert sorted(p.name for p in repo.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((repo / "config.json").read_text())
@@ -359,6 +378,20 @@ def test_own_yaml_variant_publishes_as_its_registered_base(hub: LocalHub, images
     config = json.loads((hub.root / "someone/deep/config.json").read_text())
     assert config["architecture"] == SMALL and config["model_args"]["depth"] == 3
     assert again.config == model.config
+    assert torch.equal(again(images), model(images))
+
+
+@torch.no_grad()
+def test_hf_hub_repo_with_sharded_weights(hub: LocalHub, images, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = move_off_init_(timm.create_model(SMALL, **TINY)).eval()
+    folder = save_for_hub(model, tmp_path / "saved")
+    repo = hub.root / "someone/small-sharded"
+    repo.mkdir(parents=True)
+    (repo / "config.json").write_text((folder / "config.json").read_text())
+    huggingface_hub.save_torch_state_dict(model.state_dict(), repo, max_shard_size="100KB")
+    assert not (repo / "model.safetensors").exists() and (repo / "model.safetensors.index.json").is_file()
+    again = timm.create_model("hf-hub:someone/small-sharded", pretrained=True).eval()
     assert torch.equal(again(images), model(images))
 
 

@@ -124,6 +124,9 @@ def _not_cached(repo_id: str, filenames: tuple[str, ...], exc: BaseException) ->
     if constants.HF_HUB_OFFLINE:
         why = "HF_HUB_OFFLINE is set"
         fix = "download them once with the Hub reachable (HF_HUB_OFFLINE unset)"
+    elif isinstance(exc, HfHubHTTPError):
+        why = f"the Hub ({constants.ENDPOINT}) answered HTTP {exc.response.status_code}"
+        fix = "try again later"
     else:
         cause = exc.__cause__ or exc
         why = f"the Hub ({constants.ENDPOINT}) is not reachable: {type(cause).__name__}: {reason(cause)}"
