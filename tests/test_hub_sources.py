@@ -157,6 +157,32 @@ def test_list_and_readme_show_the_official_tags(capsys: pytest.CaptureFixture[st
     assert "`lvd1689m`, `sat493m`, `lvd1689m_facebook`, `sat493m_facebook`" in readme
 
 
+@pytest.mark.parametrize(
+    "kwargs, size",
+    [
+        ({}, (256, 256)),
+        ({"dynamic_img_size": False}, (224, 224)),
+        ({"dynamic_img_size": False, "img_size": (64, 96)}, (64, 96)),
+    ],
+)
+@torch.no_grad()
+def test_timms_data_pipeline_makes_inputs_the_model_accepts(kwargs, size) -> None:
+    from PIL import Image
+    from timm.data import create_transform, resolve_data_config
+
+    model = timm.create_model(f"{SMALL}.lvd1689m", **TINY, **kwargs).eval()
+    config = resolve_data_config({}, model=model)
+    assert config["input_size"] == (3, *size)
+    x = create_transform(**config)(Image.new("RGB", (300, 200), (90, 120, 30)))
+    assert model(x[None]).shape == (1, TINY["embed_dim"])
+
+
+def test_a_fixed_size_model_keeps_the_weights_channels() -> None:
+    # timm adapts the first conv to in_chans from the channel count the pretrained cfg gives the weights
+    model = timm.create_model(SMALL, dynamic_img_size=False, in_chans=1, **TINY)
+    assert model.pretrained_cfg["input_size"] == (3, 224, 224) and model.pretrained_cfg["fixed_input_size"]
+
+
 # ------------------------------------------------------------------------------------------- sources
 
 

@@ -25,7 +25,6 @@ from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -157,9 +156,7 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
     candidates = (filename,) if filename else WEIGHT_FILES
     path = None
     for name in candidates:
-        try:  # one quick look first: huggingface_hub's download retries an unreachable Hub for about 25 s
-            if constants.HF_HUB_OFFLINE:
-                raise OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
+        try:  # one quick look first (none offline): huggingface_hub's download retries a lost Hub for ~25 s
             huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, name, revision=revision))
         except EntryNotFoundError:  # this file is not in the repo: try the next name
             continue

@@ -154,6 +154,16 @@ def _hub_overlay(variant: Variant, kwargs: dict[str, Any]) -> dict[str, Any] | N
     return {**(overlay or {}), **local, "source": "hub-cache"}
 
 
+def _fixed_size_overlay(variant: Variant, kwargs: dict[str, Any], config: VitLsConfig) -> dict[str, Any]:
+    """A model without `dynamic_img_size` takes one input size, its `img_size`: its pretrained cfg says so, so
+    that timm's `resolve_data_config` + `create_transform` make inputs it accepts. The channel count stays
+    the weights' (timm adapts the first conv from it)."""
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    channels = (resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay).input_size or (3,))[0]
+    height, width = (config.img_size, config.img_size) if isinstance(config.img_size, int) else config.img_size
+    return {**overlay, "input_size": (channels, height, width), "fixed_input_size": True}
+
+
 def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
     """Builds a variant through timm's builder: the YAML's arguments, the tag's, then the caller's."""
     tag = _requested_tag(variant, kwargs.get("pretrained_cfg"))
@@ -166,6 +176,8 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
     # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
     config = VitLsConfig.from_dict({k: v for k, v in model_kwargs.items() if k in VitLsConfig.field_names()})
+    if not config.dynamic_img_size:
+        model_kwargs["pretrained_cfg_overlay"] = _fixed_size_overlay(variant, model_kwargs, config)
     return build_model_with_cfg(
         VisionTransformerLS,
         variant.name,
