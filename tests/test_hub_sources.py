@@ -211,11 +211,14 @@ def test_gated_repo_without_access_says_how_to_get_it(hub: LocalHub, monkeypatch
     assert "ungated" not in one_line_error(lambda: hub_weights(f"hf-hub:{OFFICIAL}"))
 
 
-def test_sharded_repo_downloads_every_shard(hub: LocalHub, reference, images) -> None:
+def test_sharded_repo_downloads_every_shard(hub: LocalHub, reference, images, tmp_path: Path) -> None:
     index = hub_weights(SHARDED)
     shards = set(json.loads(index.read_text())["weight_map"].values())
     assert index.name == "model.safetensors.index.json" and len(shards) >= 2
     assert all((index.parent / shard).is_file() for shard in shards)
+    assert index.is_relative_to(constants.HF_HUB_CACHE)
+    elsewhere = hub_weights(SHARDED, cache_dir=tmp_path / "elsewhere")
+    assert elsewhere.is_relative_to(tmp_path / "elsewhere") and all((elsewhere.parent / s).is_file() for s in shards)
     model = timm.create_model(
         SMALL, pretrained=True, pretrained_cfg_overlay=dict(hf_hub_id=SHARDED), **FROM_TRANSFORMERS
     ).eval()
@@ -278,7 +281,9 @@ def test_server_errors_fall_back_to_the_cache(hub: LocalHub, reference, images) 
     )
 
 
-def test_offline_uses_the_cache_or_says_it_is_empty(hub: LocalHub, reference, images, monkeypatch) -> None:
+def test_offline_uses_the_cache_or_says_it_is_empty(
+    hub: LocalHub, reference, images, monkeypatch, tmp_path: Path
+) -> None:
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     for source in (OFFICIAL, SHARDED):
         message = one_line_error(lambda: hub_weights(source))  # noqa: B023
@@ -287,6 +292,9 @@ def test_offline_uses_the_cache_or_says_it_is_empty(hub: LocalHub, reference, im
             f"model.safetensors.index.json) are not in the local cache {constants.HF_HUB_CACHE}; download them "
             f"once with the Hub reachable (HF_HUB_OFFLINE unset), or pass pretrained_cfg_overlay=dict(file=PATH)"
         )
+    assert f"not in the local cache {tmp_path / 'elsewhere'};" in one_line_error(
+        lambda: hub_weights(OFFICIAL, cache_dir=tmp_path / "elsewhere")
+    )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     small()

@@ -114,12 +114,14 @@ def _from_cache(
 ) -> Path:
     path = _cached(repo_id, filenames, revision, cache_dir)
     if path is None:
-        raise _not_cached(repo_id, filenames, exc) from None
+        raise _not_cached(repo_id, filenames, exc, cache_dir) from None
     return path
 
 
-def _not_cached(repo_id: str, filenames: tuple[str, ...], exc: BaseException) -> HubError:
-    cache = constants.HF_HUB_CACHE
+def _not_cached(
+    repo_id: str, filenames: tuple[str, ...], exc: BaseException, cache_dir: str | Path | None = None
+) -> HubError:
+    cache = cache_dir or constants.HF_HUB_CACHE
     if constants.HF_HUB_OFFLINE:
         why = "HF_HUB_OFFLINE is set"
         fix = "download them once with the Hub reachable (HF_HUB_OFFLINE unset)"
@@ -194,7 +196,7 @@ def _download_shards(repo_id: str, index: Path, cache_dir: str | Path | None, un
         try:
             _download(repo_id, shard, revision, cache_dir)
         except LocalEntryNotFoundError as exc:
-            raise _not_cached(repo_id, (shard,), exc) from None
+            raise _not_cached(repo_id, (shard,), exc, cache_dir) from None
         except EntryNotFoundError:
             raise HubError(f"{repo_id}'s {index.name} names {shard}, which the repo does not have (HTTP 404)") from None
         except Exception as exc:
