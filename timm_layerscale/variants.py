@@ -143,8 +143,9 @@ def _hub_overlay(variant: Variant, kwargs: dict[str, Any]) -> dict[str, Any] | N
     `hf_hub_id`, an `hf-hub:` repo), or None where it names no Hub source (a file, a state dict, `local-dir:`)."""
     overlay = kwargs.get("pretrained_cfg_overlay")
     cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay).to_dict()
-    from_hub = cfg.get("source") == "hf-hub" or not (cfg.get("file") or cfg.get("state_dict"))
-    if not (cfg.get("hf_hub_id") and from_hub and cfg.get("source") != "local-dir"):
+    # timm's order: an `hf-hub:` source, then `local-dir:`, then a state dict or file, then the Hub id.
+    given = cfg.get("source") == "local-dir" or cfg.get("state_dict") or cfg.get("file")
+    if not cfg.get("hf_hub_id") or (given and cfg.get("source") != "hf-hub"):
         return None
     weights = hub_weights(cfg)
     # timm's file loader reads one file; a sharded repo's index goes in as the checkpoint's tensors.
