@@ -40,6 +40,7 @@ OFFICIAL_7B_SAT = "facebook/dinov3-vit7b16-pretrain-sat493m"
 UNGATED = "timm/vit_small_patch16_dinov3_qkvb.lvd1689m"
 SHARDED = "someone/dinov3-small-sharded"
 NO_WEIGHTS = "someone/no-weights"
+MISSING_SHARD = "someone/dinov3-missing-shard"
 TOKEN = "hf_has_access"
 SMALL = "vit_ls_small_patch16_dinov3"
 # transformers recomputes RoPE periods in fp32, unrounded; its files hold none.
@@ -66,6 +67,8 @@ def hub_root(tmp_path_factory: pytest.TempPathFactory, reference: DINOv3ViTModel
     root = tmp_path_factory.mktemp("hub")
     reference.save_pretrained(root / OFFICIAL)  # config.json + one model.safetensors, as the Hub has them
     reference.save_pretrained(root / SHARDED, max_shard_size="150KB")  # an index and its shards
+    reference.save_pretrained(root / MISSING_SHARD, max_shard_size="150KB")
+    next(iter(sorted((root / MISSING_SHARD).glob("model-*.safetensors")))).unlink()
     (root / OFFICIAL_7B_SAT).mkdir(parents=True)
     (root / NO_WEIGHTS).mkdir(parents=True)
     (root / NO_WEIGHTS / "README.md").write_text("no weights here\n")
@@ -236,6 +239,9 @@ def test_missing_repo_file_or_revision_is_one_line(hub: LocalHub) -> None:
         f"someone/not-there is not a repository on {hub.url}"
     )
     assert "has no revision 'v9'" in one_line_error(lambda: hub_weights(f"{SHARDED}@v9"))
+    missing = one_line_error(lambda: hub_weights(MISSING_SHARD))
+    assert missing.startswith(f"{MISSING_SHARD}'s model.safetensors.index.json names model-00001-of-0000")
+    assert missing.endswith(".safetensors, which the repo does not have (HTTP 404)")
     # through timm.create_model too
     overlay = dict(hf_hub_id=NO_WEIGHTS)
     message = one_line_error(lambda: timm.create_model(SMALL, pretrained=True, pretrained_cfg_overlay=overlay, **TINY))
