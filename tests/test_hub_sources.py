@@ -433,6 +433,12 @@ def test_hf_hub_repo_with_sharded_weights(hub: LocalHub, images, tmp_path: Path)
     assert not (repo / "model.safetensors").exists() and (repo / "model.safetensors.index.json").is_file()
     again = timm.create_model("hf-hub:someone/small-sharded", pretrained=True).eval()
     assert torch.equal(again(images), model(images))
+    # as in timm, an hf-hub: name's own weights come before a file in the overlay
+    other = tmp_path / "other.safetensors"
+    save_file({k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()}, other)
+    overlay = dict(file=str(other))
+    hub_first = timm.create_model("hf-hub:someone/small-sharded", pretrained=True, pretrained_cfg_overlay=overlay)
+    assert torch.equal(hub_first.eval()(images), model(images))
 
 
 def test_save_for_hub_writes_the_folder_once(tmp_path: Path) -> None:
