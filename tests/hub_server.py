@@ -2,15 +2,27 @@
 
 Serves ``root/<org>/<name>/<files>`` as model repo ``<org>/<name>`` through the
 ``/{repo_id}/resolve/{revision}/{filename}`` route that ``hf_hub_download`` uses
-(a HEAD for metadata, then a GET for the content). Point a client at it with
+(a HEAD for metadata, then a GET for the content, honouring ``Range``). Point a client at it with
 ``HF_ENDPOINT``; see :func:`hub_env`.
+
+Beyond that, as the Hub answers:
+- ``gated``: repo id -> the tokens with access. Others get 401 without a token and 403 with one, with
+  ``X-Error-Code: GatedRepo`` (what huggingface_hub turns into ``GatedRepoError``).
+- ``broken``: repo ids whose files answer HTTP 500.
+- ``cut``: ``repo_id/filename`` -> byte offset. Every GET of that file announces the whole length (or
+  range), then stops at that offset of the file and drops the connection (a download cut short); with the
+  key also in ``cut_once``, only the next GET is cut.
+- Uploads for ``HfApi.create_repo`` and ``upload_folder``/``create_commit`` (every file sent inline).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 import re
+import socket
 import threading
 from functools import lru_cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +30,13 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import unquote, urlsplit
 
+import yaml
+
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
+_CREATE = "/api/repos/create"
+_VALIDATE_YAML = "/api/validate-yaml"
+_PREUPLOAD = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)$")
+_COMMIT = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _UNSET_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN")
 
@@ -61,12 +79,61 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._resolve(send_body=True)
 
+    def do_POST(self) -> None:
+        self.hub.requests.append(f"POST {self.path}")
+        path = urlsplit(self.path).path
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if path == _CREATE:
+            payload = json.loads(body)
+            repo_id = f"{payload.get('organization') or 'user'}/{payload['name']}"
+            repo = self.hub.root / repo_id
+            answer = {"url": f"{self.hub.url}/{repo_id}", "name": repo_id}
+            if repo.is_dir():
+                return self._json({"error": "You already created this model repo", **answer}, 409)
+            repo.mkdir(parents=True)
+            return self._json(answer)
+        if path == _VALIDATE_YAML:  # the model card's metadata block must parse as a YAML mapping
+            content = json.loads(body)["content"]
+            _, _, rest = content.partition("---\n")
+            try:
+                valid = isinstance(yaml.safe_load(rest.partition("\n---")[0]), dict)
+            except yaml.YAMLError:
+                valid = False
+            return self._json({} if valid else {"errors": [{"message": "invalid metadata"}]}, 200 if valid else 400)
+        if match := _PREUPLOAD.match(path):
+            files = json.loads(body)["files"]
+            return self._json(
+                {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+            )
+        if match := _COMMIT.match(path):
+            repo = self.hub.root / unquote(match["repo"])
+            if not repo.is_dir():
+                return self._error("RepoNotFound", "Repository not found")
+            for line in body.splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    target = repo / item["value"]["path"]
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(base64.b64decode(item["value"]["content"]))
+            commit = _commit(repo)
+            return self._json({"commitUrl": f"{self.hub.url}/{match['repo']}/commit/{commit}", "commitOid": commit})
+        return self._error("RepoNotFound", "Repository not found")
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
-    def _error(self, code: str, message: str, commit: str | None = None) -> None:
-        self.send_response(404)
-        self.send_header("X-Error-Code", code)
+    def _json(self, payload: object, status: int = 200) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, code: str, message: str, commit: str | None = None, status: int = 404) -> None:
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)
         if commit is not None:
             self.send_header("X-Repo-Commit", commit)
@@ -81,6 +148,17 @@ class _Handler(BaseHTTPRequestHandler):
         repo = (self.hub.root / unquote(match["repo"])).resolve()
         if repo.parent.parent != self.hub.root or not repo.is_dir():
             return self._error("RepoNotFound", "Repository not found")
+        repo_id = unquote(match["repo"])
+        if repo_id in self.hub.broken:
+            return self._error("", "Internal Error", status=500)
+        if repo_id in self.hub.gated:
+            token = self.headers.get("Authorization", "").removeprefix("Bearer ")
+            if token not in self.hub.gated[repo_id]:
+                status, why = (403, "you are not in the authorized list") if token else (401, "please log in")
+                message = (
+                    f"Access to model {repo_id} is restricted: {why}. Visit {self.hub.url}/{repo_id} to ask for access."
+                )
+                return self._error("GatedRepo", message, status=status)
         commit = _commit(repo)
         if unquote(match["rev"]) not in ("main", commit):
             return self._error("RevisionNotFound", "Invalid rev id")
@@ -88,6 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not path.is_file() or not path.is_relative_to(repo):
             return self._error("EntryNotFound", "Entry not found", commit)
 
+        if send_body and self.headers.get("Range"):
+            self.hub.ranges.append(f"{self.path} {self.headers['Range']}")
         st = path.stat()
         size = st.st_size
         span = _byte_range(self.headers.get("Range", ""), size)
@@ -107,17 +187,32 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
         self.end_headers()
         if send_body:
+            key = f"{repo_id}/{unquote(match['file'])}"
+            cut = self.hub.cut.get(key)
+            if key in self.hub.cut_once:
+                self.hub.cut_once.discard(key)
+                self.hub.cut.pop(key, None)
+            stop = end + 1 if cut is None else min(end + 1, max(cut, start))
             with path.open("rb") as f:
                 f.seek(start)
-                self.wfile.write(f.read(end - start + 1))
+                self.wfile.write(f.read(stop - start))
+            if stop <= end:  # cut short: the connection drops before Content-Length bytes came
+                self.wfile.flush()
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
 
 
 class LocalHub:
     """Serve ``root`` as a Hub endpoint on 127.0.0.1 while the context is open."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, gated: dict[str, set[str]] | None = None) -> None:
         self.root = Path(root).resolve()
         self.requests: list[str] = []
+        self.gated: dict[str, set[str]] = dict(gated or {})
+        self.cut: dict[str, int] = {}
+        self.cut_once: set[str] = set()  # keys of `cut` that apply to one GET only
+        self.broken: set[str] = set()  # repo ids whose files answer HTTP 500
+        self.ranges: list[str] = []  # "<path> <Range header>" of each ranged GET
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True

@@ -16,13 +16,13 @@ PARAMS_M = {
     "vit_ls_7b_patch16_dinov3": 6716.04,
 }
 TAGS = {
-    "vit_ls_small_patch16_dinov3": ["lvd1689m"],
-    "vit_ls_small_plus_patch16_dinov3": ["lvd1689m"],
-    "vit_ls_base_patch16_dinov3": ["lvd1689m"],
-    "vit_ls_large_patch16_dinov3": ["lvd1689m", "sat493m"],
+    "vit_ls_small_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
+    "vit_ls_small_plus_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
+    "vit_ls_base_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
+    "vit_ls_large_patch16_dinov3": ["lvd1689m", "sat493m", "lvd1689m_facebook", "sat493m_facebook"],
     "vit_ls_large_plus_patch16_dinov3": [],
-    "vit_ls_huge_plus_patch16_dinov3": ["lvd1689m"],
-    "vit_ls_7b_patch16_dinov3": ["lvd1689m", "sat493m"],
+    "vit_ls_huge_plus_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
+    "vit_ls_7b_patch16_dinov3": ["lvd1689m", "sat493m", "lvd1689m_facebook", "sat493m_facebook"],
 }
 
 
@@ -37,7 +37,10 @@ def test_registration_and_tags():
     assert pretrained == {f"{name}.{tag}" for name, tags in TAGS.items() for tag in tags}
     for name in pretrained:
         cfg = timm.models.get_pretrained_cfg(name)
-        assert cfg.hf_hub_id.startswith("timm/vit_") and cfg.hf_hub_id.endswith(name.split(".")[1])
+        if name.endswith("_facebook"):  # Meta's official repos, checked in test_hub_sources.py
+            assert cfg.hf_hub_id.startswith("facebook/dinov3-vit")
+        else:
+            assert cfg.hf_hub_id.startswith("timm/vit_") and cfg.hf_hub_id.endswith(name.split(".")[1])
     assert timm.models.get_pretrained_cfg("vit_ls_7b_patch16_dinov3.sat493m").mean == (0.430, 0.411, 0.296)
 
 

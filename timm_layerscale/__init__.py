@@ -13,6 +13,7 @@ from .conversion import (
     rename_layer_scale,
 )
 from .fsdp import shard_model
+from .hub import HubError, hub_weights, push_to_hub, save_for_hub
 from .model import VisionTransformerLS
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "VARIANTS",
     "CheckpointError",
+    "HubError",
     "VisionTransformerLS",
     "VitLsConfig",
     "cait_init_value",
@@ -28,9 +30,12 @@ __all__ = [
     "convert_checkpoint",
     "convert_state_dict",
     "fold_layer_scale",
+    "hub_weights",
+    "push_to_hub",
     "register_variant",
     "rename_layer_scale",
     "resolve_init_values",
+    "save_for_hub",
     "shard_model",
 ]
 

@@ -15,11 +15,13 @@ from typing import Any
 import yaml
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from .config import VitLsConfig
 from .conversion import CheckpointError, checkpoint_filter_fn
 from .conversion.reader import KIND_LEGACY_TORCH, KIND_SAFETENSORS, KIND_TORCH, open_checkpoint
+from .hub import hub_weights
 from .model import VisionTransformerLS
 
 __all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
@@ -48,6 +50,7 @@ class Variant:
     model_args: dict[str, Any]
     tags: dict[str, dict[str, Any]]
     source: str
+    base: str | None = None  # the registered variant its YAML starts from
 
     @property
     def config(self) -> VitLsConfig:
@@ -102,7 +105,7 @@ def load_variant(source: str | Path | dict[str, Any], name: str | None = None) -
         bad = sorted(set(cfg or {}) - set(TAG_CFG_KEYS))
         if bad:
             raise ValueError(f"{where}: pretrained.{tag}: unknown key(s) {bad}; allowed: {list(TAG_CFG_KEYS)}")
-    variant = Variant(name, data.get("description", ""), model_args, tags, where)
+    variant = Variant(name, data.get("description", ""), model_args, tags, where, data.get("base") or None)
     for tag in ("", *tags):  # every tag's architecture must be valid now, not at first use
         VitLsConfig.from_dict({**model_args, **variant.tag_model_args(tag)}, source=where)
     return variant
@@ -135,14 +138,47 @@ def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
         )
 
 
+def _hub_overlay(variant: Variant, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The caller's overlay plus the local copy of the Hub weights the resolved pretrained cfg names (a tag's
+    `hf_hub_id`, an `hf-hub:` repo), or None where it names no Hub source (a file, a state dict, `local-dir:`)."""
+    overlay = kwargs.get("pretrained_cfg_overlay")
+    cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay).to_dict()
+    # timm's order: an `hf-hub:` source, then `local-dir:`, then a state dict or file, then the Hub id.
+    given = cfg.get("source") == "local-dir" or cfg.get("state_dict") or cfg.get("file")
+    if not cfg.get("hf_hub_id") or (given and cfg.get("source") != "hf-hub"):
+        return None
+    weights = hub_weights(cfg)
+    # timm's file loader reads one file; a sharded repo's index goes in as the checkpoint's tensors.
+    local = dict(file=str(weights)) if weights.is_file() and not weights.name.endswith(".json") else None
+    if local is None:  # left open: the tensors may be views of its mapped shards
+        local = dict(state_dict=dict(open_checkpoint(weights).items()))
+    return {**(overlay or {}), **local, "source": "hub-cache"}
+
+
+def _fixed_size_overlay(variant: Variant, kwargs: dict[str, Any], config: VitLsConfig) -> dict[str, Any]:
+    """A model without `dynamic_img_size` takes one input size, its `img_size`: its pretrained cfg says so, so
+    that timm's `resolve_data_config` + `create_transform` make inputs it accepts. The channel count stays
+    the weights' (timm adapts the first conv from it)."""
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    channels = (resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay).input_size or (3,))[0]
+    height, width = (config.img_size, config.img_size) if isinstance(config.img_size, int) else config.img_size
+    return {**overlay, "input_size": (channels, height, width), "fixed_input_size": True}
+
+
 def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
     """Builds a variant through timm's builder: the YAML's arguments, the tag's, then the caller's."""
     tag = _requested_tag(variant, kwargs.get("pretrained_cfg"))
     if pretrained:
+        # Hub weights come through `hub.hub_weights` (one-line errors, shards), then load as a local file.
+        overlay = _hub_overlay(variant, kwargs)
+        if overlay is not None:
+            kwargs["pretrained_cfg_overlay"] = overlay
         _check_pretrained_file(kwargs.get("pretrained_cfg_overlay"))
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
     # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
     config = VitLsConfig.from_dict({k: v for k, v in model_kwargs.items() if k in VitLsConfig.field_names()})
+    if not config.dynamic_img_size:
+        model_kwargs["pretrained_cfg_overlay"] = _fixed_size_overlay(variant, model_kwargs, config)
     return build_model_with_cfg(
         VisionTransformerLS,
         variant.name,
@@ -176,9 +212,14 @@ def register_variant(source: str | Path | dict[str, Any], name: str | None = Non
 
 
 def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
-    """A shipped variant to name in a saved config: `name` if it is one, else the one whose arguments
-    differ least from `config` (the saved config carries every argument, so any shipped name rebuilds it)."""
+    """A shipped variant to name in a saved config: `name` if it is one, else the shipped one its YAML
+    starts from (`base:`, followed), else the one whose arguments differ least from `config` (the saved
+    config carries every argument, so any shipped name rebuilds it)."""
     shipped = {n: v for n, v in VARIANTS.items() if Path(v.source).parent == config_dir()}
+    seen = set()
+    while name in VARIANTS and name not in shipped and name not in seen:
+        seen.add(name)
+        name = VARIANTS[name].base
     if name in shipped:
         return name
     values = config.to_dict()

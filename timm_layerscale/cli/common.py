@@ -20,6 +20,7 @@ from huggingface_hub import constants
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from torch import nn
 
+from ..hub import HubError
 from ..variants import VARIANTS, Variant, register_variant
 
 HUB_FILE = "model.safetensors"
@@ -139,24 +140,24 @@ def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[
     if not hub_id:
         raise CliError(f"{variant.name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
     repo, _, revision = hub_id.partition("@")
-    try:
+    reason = None
+    try:  # a quick look, without huggingface_hub's retries, to say where the weights came from
         with quiet_hub():
             huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo, HUB_FILE, revision=revision or None))
-        return timm.create_model(f"{variant.name}.{tag}", pretrained=True, **kwargs), f"Hub {hub_id}"
     except Exception as exc:
         reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(exc)
-        if reason is None:
-            raise
-    cached = huggingface_hub.try_to_load_from_cache(repo, HUB_FILE, revision=revision or None)
-    if isinstance(cached, str):
-        overlay = dict(file=cached)
-        model = timm.create_model(f"{variant.name}.{tag}", pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+    if reason is None:  # the Hub answered: a gated repo or a missing file is the loader's one-line error
+        return timm.create_model(f"{variant.name}.{tag}", pretrained=True, **kwargs), f"Hub {hub_id}"
+    try:
+        model = timm.create_model(f"{variant.name}.{tag}", pretrained=True, **kwargs)
         return model, f"Hub {hub_id} from the local cache (the Hub is not reachable: {reason})"
-    warn(
-        f"--pretrained: the Hub is not reachable ({reason}) and {hub_id} is not in the local cache; "
-        f"using random weights instead"
-    )
-    return timm.create_model(name, **kwargs), "random init, because the Hub is not reachable (see the warning above)"
+    except HubError:  # nothing cached
+        warn(
+            f"--pretrained: the Hub is not reachable ({reason}) and {hub_id} is not in the local cache; "
+            f"using random weights instead"
+        )
+        fallback = "random init, because the Hub is not reachable (see the warning above)"
+        return timm.create_model(name, **kwargs), fallback
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

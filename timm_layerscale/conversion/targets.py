@@ -108,12 +108,15 @@ def write_native_folder(
     pretrained_cfg: Mapping[str, Any],
     overwrite: bool = False,
     progress: Progress | None = None,
+    extra_files: Mapping[str, str] | None = None,
 ) -> Path:
     """Writes `model.safetensors` and timm's `config.json` for `tensors` (native keys, a plan or a state dict),
-    under a temporary name renamed to `folder` when complete."""
+    and `extra_files` (name -> text, a model card), under a temporary name renamed to `folder` when complete."""
     folder = Path(folder)
     with atomic_destination(folder, overwrite, folder=True) as tmp:
         write_native_files(tmp, tensors, config, architecture, pretrained_cfg, progress)
+        for name, text in (extra_files or {}).items():
+            write_text(tmp / name, text)
     return folder
 
 
@@ -129,7 +132,9 @@ def write_native_files(
     write_text(folder / CONFIG_FILE, json.dumps(native_config(config, architecture, pretrained_cfg), indent=2))
 
 
-def save_native(model: nn.Module, folder: str | Path, overwrite: bool = False) -> Path:
+def save_native(
+    model: nn.Module, folder: str | Path, overwrite: bool = False, extra_files: Mapping[str, str] | None = None
+) -> Path:
     """Saves a live vit_ls model as a folder that `timm.create_model("local-dir:FOLDER", pretrained=True)`
     (or `hf-hub:` once uploaded) rebuilds exactly, LayerScale settings included (after `fold_layer_scale`
     the folder records LayerScale off)."""
@@ -139,7 +144,9 @@ def save_native(model: nn.Module, folder: str | Path, overwrite: bool = False) -
     pretrained_cfg = dict(getattr(model, "pretrained_cfg", None) or {})
     architecture = builtin_architecture(pretrained_cfg.get("architecture"), config)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    return write_native_folder(Path(folder), state, config, architecture, pretrained_cfg, overwrite)
+    return write_native_folder(
+        Path(folder), state, config, architecture, pretrained_cfg, overwrite, extra_files=extra_files
+    )
 
 
 # -------------------------------------------------------------------------------------------- timm eva

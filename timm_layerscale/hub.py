@@ -1,0 +1,303 @@
+"""Hub weights in, models out: a pretrained cfg's Hub repo as local files, and a model as a Hub repo.
+
+`hub_weights` turns a tag's `hf_hub_id` (or an `hf-hub:` name) into local weights, downloaded and cached
+by huggingface_hub as usual: one file, or a sharded repo's index with every shard beside it. What can go
+wrong on the way (a gated repo, a missing file, a cut download, no network, offline with nothing cached)
+is one `HubError` line naming the fix. A cut download is resumed by huggingface_hub's own retries (HTTP
+Range requests); its partial `.incomplete` file is removed when they fail and is never returned.
+
+`save_for_hub` and `push_to_hub` write and upload a model as the `native` conversion target does: one
+`model.safetensors`, timm's `config.json` with every model argument, and a model card.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+from huggingface_hub import constants
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from timm.models._pretrained import PretrainedCfg
+from torch import nn
+
+from .conversion.errors import CheckpointError, reason
+from .conversion.targets import WEIGHTS_FILE, save_native
+
+__all__ = ["OFFICIAL_SUFFIX", "HubError", "hub_weights", "model_card", "push_to_hub", "save_for_hub"]
+
+# A repo's weights, in the order tried when the cfg names no file: one file, else a sharded index.
+WEIGHT_FILES = (WEIGHTS_FILE, f"{WEIGHTS_FILE}.index.json")
+# Tags of Meta's official (gated) transformers repos: `<weights>_facebook` beside timm's ungated `<weights>`.
+OFFICIAL_SUFFIX = "_facebook"
+LICENSE_URL = "https://ai.meta.com/resources/models-and-libraries/dinov3-license/"
+
+
+class HubError(CheckpointError):
+    """Hub weights that cannot be had; the message names the problem and the fix in one line."""
+
+
+def _hub_source(source: str | Mapping[str, Any] | PretrainedCfg) -> tuple[str, str | None, str | None, str]:
+    """(repo id, revision, file or None, the ungated tag that holds the same weights or '')."""
+    if isinstance(source, str):
+        cfg: Mapping[str, Any] = {"hf_hub_id": source.removeprefix("hf-hub:")}
+    else:
+        cfg = source.to_dict() if isinstance(source, PretrainedCfg) else source
+    hub_id = cfg.get("hf_hub_id")
+    if not hub_id:
+        raise HubError(f"{cfg.get('architecture') or 'this pretrained cfg'} names no Hub repo (hf_hub_id)")
+    repo_id, _, revision = hub_id.partition("@")
+    return repo_id, revision or None, cfg.get("hf_hub_filename"), _ungated_tag(cfg)
+
+
+def _ungated_tag(cfg: Mapping[str, Any]) -> str:
+    from .variants import VARIANTS
+
+    name, tag = cfg.get("architecture") or "", cfg.get("tag") or ""
+    ungated = tag.removesuffix(OFFICIAL_SUFFIX)
+    variant = VARIANTS.get(name)
+    return f"{name}.{ungated}" if variant and ungated != tag and ungated in variant.tags else ""
+
+
+def _download(repo_id: str, filename: str, revision: str | None, cache_dir: str | Path | None) -> Path:
+    return Path(huggingface_hub.hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir))
+
+
+def _cached(
+    repo_id: str, filenames: tuple[str, ...], revision: str | None, cache_dir: str | Path | None
+) -> Path | None:
+    for filename in filenames:
+        found = huggingface_hub.try_to_load_from_cache(repo_id, filename, cache_dir=cache_dir, revision=revision)
+        if isinstance(found, str):
+            return Path(found)
+    return None
+
+
+def _no_download(repo_id: str, filename: str, revision: str | None, ungated: str, exc: BaseException) -> HubError:
+    """The one line for an error of `hf_hub_download` that no other file of the repo can cure."""
+    page = f"{constants.ENDPOINT}/{repo_id}"
+    if isinstance(exc, GatedRepoError):
+        status = exc.response.status_code if exc.response is not None else "401/403"
+        same = f"; or use {ungated}, which holds the same weights ungated" if ungated else ""
+        return HubError(
+            f"{repo_id} is a gated repository this machine has no access to (HTTP {status}): accept its licence on "
+            f"{page} while logged in, then log in here with `hf auth login` or set HF_TOKEN{same}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return HubError(
+            f"{repo_id} is not a repository on {constants.ENDPOINT} (or a private one): check the name; a private "
+            f"repository needs `hf auth login` or HF_TOKEN"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return HubError(f"{repo_id} has no revision {revision!r}: check the @revision in its name")
+    if isinstance(exc, HfHubHTTPError):
+        status = exc.response.status_code if exc.response is not None else "error"
+        return HubError(f"the Hub answered HTTP {status} for {repo_id} ({reason(exc)}); try again later")
+    return HubError(
+        f"the download of {filename} from {repo_id} was cut short ({type(exc).__name__}: {reason(exc)}), also on "
+        f"huggingface_hub's resumed retries; the partial file was removed, not loaded: try again"
+    )
+
+
+def _from_cache(
+    repo_id: str, filenames: tuple[str, ...], revision: str | None, cache_dir: str | Path | None, exc: BaseException
+) -> Path:
+    path = _cached(repo_id, filenames, revision, cache_dir)
+    if path is None:
+        raise _not_cached(repo_id, filenames, exc, cache_dir) from None
+    return path
+
+
+def _not_cached(
+    repo_id: str, filenames: tuple[str, ...], exc: BaseException, cache_dir: str | Path | None = None
+) -> HubError:
+    cache = cache_dir or constants.HF_HUB_CACHE
+    if constants.HF_HUB_OFFLINE:
+        why = "HF_HUB_OFFLINE is set"
+        fix = "download them once with the Hub reachable (HF_HUB_OFFLINE unset)"
+    elif isinstance(exc, HfHubHTTPError):
+        why = f"the Hub ({constants.ENDPOINT}) answered HTTP {exc.response.status_code}"
+        fix = "try again later"
+    else:
+        cause = exc.__cause__ or exc
+        why = f"the Hub ({constants.ENDPOINT}) is not reachable: {type(cause).__name__}: {reason(cause)}"
+        fix = "check the connection, or download them once where the Hub is reachable"
+    return HubError(
+        f"{why}, and the weights of {repo_id} ({' or '.join(filenames)}) are not in the local cache {cache}; {fix}, "
+        f"or pass pretrained_cfg_overlay=dict(file=PATH)"
+    )
+
+
+def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: str | Path | None = None) -> Path:
+    """The local path of the weights that `source` names on the Hub, downloading what the cache lacks.
+
+    `source` is a pretrained cfg (a mapping or timm's `PretrainedCfg`, as a tag or an `hf-hub:` name gives
+    it) with `hf_hub_id` (`org/name`, optionally `@revision`) and optionally `hf_hub_filename`, or a repo id
+    (`org/name[@revision]`, `hf-hub:` prefix allowed). Without a file name the repo's `model.safetensors`
+    is taken, else its `model.safetensors.index.json`.
+
+    Returns a weights file, or for a sharded repo its index, with every shard downloaded beside it
+    (`conversion.reader.open_checkpoint` reads either). Files come from huggingface_hub's cache when there
+    (offline too, `HF_HUB_OFFLINE=1`), else are downloaded into it; `cache_dir` overrides the cache folder.
+
+    Raises `HubError` (a `CheckpointError`) with one line: a gated repo without access (how to get it, and
+    the ungated tag with the same weights), a missing repo, revision or file, a download cut short, or no
+    Hub and nothing cached.
+    """
+    repo_id, revision, filename, ungated = _hub_source(source)
+    candidates = (filename,) if filename else WEIGHT_FILES
+    path = None
+    for name in candidates:
+        try:  # one quick look first (none offline): huggingface_hub's download retries a lost Hub for ~25 s
+            huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, name, revision=revision))
+        except EntryNotFoundError:  # this file is not in the repo: try the next name
+            continue
+        except HfHubHTTPError as exc:
+            if exc.response is None or exc.response.status_code < 500:
+                raise _no_download(repo_id, name, revision, ungated, exc) from exc
+            path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
+            break
+        except Exception as exc:  # offline or no Hub: what the cache has, under whichever name
+            path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
+            break
+        try:
+            path = _download(repo_id, name, revision, cache_dir)
+        except Exception as exc:
+            raise _no_download(repo_id, name, revision, ungated, exc) from exc
+        break
+    if path is None:
+        raise HubError(
+            f"{repo_id} has no {' or '.join(candidates)} (HTTP 404): see its files on {constants.ENDPOINT}/{repo_id}; "
+            f"a tag or pretrained_cfg_overlay can name another file with hf_hub_filename"
+        )
+    if path.name.endswith(".index.json"):
+        _download_shards(repo_id, path, cache_dir, ungated)
+    return path
+
+
+def _download_shards(repo_id: str, index: Path, cache_dir: str | Path | None, ungated: str) -> None:
+    """Every shard of a cached index, from the same revision (the index's snapshot folder)."""
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise HubError(f"{repo_id}'s {index.name} is not a weights index ({reason(exc)})") from None
+    revision = index.parent.name
+    for shard in shards:
+        try:
+            _download(repo_id, shard, revision, cache_dir)
+        except LocalEntryNotFoundError as exc:
+            raise _not_cached(repo_id, (shard,), exc, cache_dir) from None
+        except EntryNotFoundError:
+            raise HubError(f"{repo_id}'s {index.name} names {shard}, which the repo does not have (HTTP 404)") from None
+        except Exception as exc:
+            raise _no_download(repo_id, shard, revision, ungated, exc) from exc
+
+
+# ----------------------------------------------------------------------------------------------- publishing
+
+
+def model_card(model: nn.Module, repo_id: str | None = None) -> str:
+    """README.md for a saved model: the DINOv3 licence, the architecture and its LayerScale settings."""
+    config = model.config
+    cfg = dict(getattr(model, "pretrained_cfg", None) or {})
+    name = repo_id or cfg.get("architecture") or type(model).__name__
+    init = config.layer_init_values
+    on = sum(v is not None for pair in init for v in pair)
+    values = sorted({v for pair in init for v in pair if v is not None})
+    gammas = [m.gamma.detach().float() for m in model.modules() if hasattr(m, "gamma")]
+    if gammas:
+        flat = [g.abs().mean().item() for g in gammas]
+        trained = f"gammas |mean| from {min(flat):.4g} to {max(flat):.4g} across branches"
+    else:
+        trained = "no gammas (LayerScale off or folded into the projections)"
+    start = f"init values {', '.join(f'{v:g}' for v in values)}" if values else "off"
+    load = (
+        f'timm.create_model("hf-hub:{repo_id}", pretrained=True)'
+        if repo_id
+        else ('timm.create_model("local-dir:FOLDER", pretrained=True)')
+    )
+    return "\n".join(
+        [
+            "---",
+            "library_name: timm",
+            "tags: [image-feature-extraction, timm, timm-layerscale, dinov3]",
+            "license: other",
+            "license_name: dinov3-license",
+            f"license_link: {LICENSE_URL}",
+            "---",
+            f"# {name}",
+            "",
+            f"A DINOv3-style Vision Transformer with LayerScale (timm-layerscale), architecture "
+            f"`{cfg.get('architecture') or type(model).__name__}`: {config.embed_dim} wide, {config.depth} blocks, "
+            f"{config.num_heads} heads, {config.ffn_layer} FFN, {config.num_classes} classes "
+            f"(global pool `{config.global_pool or 'none'}`).",
+            "",
+            "## LayerScale",
+            "",
+            f"- on {on} of {2 * config.depth} branches; {start}",
+            f"- {trained}",
+            "",
+            "## Use",
+            "",
+            "```python",
+            "import timm  # with timm-layerscale installed",
+            "",
+            f"model = {load}",
+            "```",
+            "",
+            "`config.json` carries every model argument, so any timm from 1.0.26 rebuilds the model.",
+            "",
+            "## Licence",
+            "",
+            f"The weights derive from Meta's DINOv3 and are released under the DINOv3 License ({LICENSE_URL}).",
+            "",
+        ]
+    )
+
+
+def save_for_hub(model: nn.Module, folder: str | Path, overwrite: bool = False, repo_id: str | None = None) -> Path:
+    """Writes `model` as a Hub repo folder: `model.safetensors`, timm's `config.json` naming a shipped
+    architecture with every model argument (a YAML variant of one's own rebuilds without its YAML), and a
+    `README.md` model card with the DINOv3 licence and the LayerScale settings.
+
+    `timm.create_model("local-dir:FOLDER", pretrained=True)`, or `hf-hub:REPO` once uploaded, rebuilds the
+    same model with the same weights; after `fold_layer_scale` it rebuilds without LayerScale. An existing
+    folder is kept unless `overwrite`; the folder appears complete or not at all.
+    """
+    return save_native(model, folder, overwrite, extra_files={"README.md": model_card(model, repo_id)})
+
+
+def push_to_hub(
+    model: nn.Module,
+    repo_id: str,
+    *,
+    commit_message: str = "Add model",
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+) -> str:
+    """Uploads `model` as `save_for_hub` writes it to the Hub repo `repo_id` (created if missing) and
+    returns the commit URL; `timm.create_model(f"hf-hub:{repo_id}", pretrained=True)` rebuilds it."""
+    api = huggingface_hub.HfApi(token=token)
+    repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = save_for_hub(model, Path(tmp) / "repo", repo_id=repo_url.repo_id)
+        commit = api.upload_folder(
+            repo_id=repo_url.repo_id,
+            folder_path=folder,
+            commit_message=commit_message,
+            revision=revision,
+            create_pr=create_pr,
+        )
+    return str(commit)
