@@ -5,6 +5,7 @@ from conftest import TINY, max_diff, move_off_init_
 from timm.models._manipulate import group_parameters
 
 from timm_layerscale import VisionTransformerLS
+from timm_layerscale.layers import RopeEmbedding, apply_rope
 
 # Meta's published parameter counts (millions), mask token and qkv biases included.
 PARAMS_M = {
@@ -87,6 +88,20 @@ def test_global_pools(pool, width, images):
         assert model.head_hidden_size == width and model.get_classifier().in_features == width
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_reset_classifier_keeps_the_model_mode(training):
+    model = tiny(num_classes=5).train(training)
+    for num_classes, pool in [(3, "avg"), (0, None), (2, None)]:
+        model.reset_classifier(num_classes, pool)
+        assert all(m.training == training for m in model.modules())
+
+
+def test_in_chans_is_an_attribute_and_sizes_the_stem():
+    model = tiny(in_chans=1)
+    assert model.in_chans == 1 and model.patch_embed.proj.in_channels == 1
+    assert model(torch.randn(1, 1, 32, 32)).shape == (1, 64)
+
+
 def test_reset_classifier_and_timm_api():
     model = tiny(num_classes=5)
     model.reset_classifier(3, "cls_avg")
@@ -134,10 +149,24 @@ def test_features_only_and_pruning(images):
 
 def test_non_multiple_of_patch_size_rule():
     model = tiny()
-    with pytest.raises(ValueError, match=r"input size 50x80 is not a multiple of the patch size 16: .*dynamic_img_pad"):
+    with pytest.raises(
+        ValueError,
+        match=r"input size 50x80 is not a multiple of the patch size 16: resize or crop it to 48x80, .*dynamic_img_pad",
+    ):
         model(torch.randn(1, 3, 50, 80))
     padded = tiny(dynamic_img_pad=True)
     assert padded.forward_features(torch.randn(1, 3, 50, 80)).shape == (1, 5 + 4 * 5, 64)
+
+
+@pytest.mark.parametrize("size", [(8, 8), (8, 64), (64, 15)])
+def test_input_smaller_than_a_patch_is_told_the_smallest_size(size):
+    message = f"input size {size[0]}x{size[1]} is smaller than the patch size 16: resize it to at least 16x16"
+    with pytest.raises(ValueError, match=message):
+        tiny()(torch.randn(1, 3, *size))
+    with pytest.raises(ValueError, match=message):
+        tiny().forward_intermediates(torch.randn(1, 3, *size))
+    grid = -(-size[0] // 16) * -(-size[1] // 16)
+    assert tiny(dynamic_img_pad=True).forward_features(torch.randn(1, 3, *size)).shape == (1, 5 + grid, 64)
 
 
 def test_any_image_size_without_interpolation():
@@ -217,6 +246,22 @@ def test_masks_replace_patch_tokens(images):
     masks[:, 3] = True
     tokens = model.prepare_tokens(images, masks)
     assert torch.equal(tokens[:, 5 + 3], model.mask_token.expand(2, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_meta_rotate_half_computed_in_fp32(dtype):
+    sin, cos = RopeEmbedding(8, num_prefix_tokens=1, round_periods_to_bf16=False)(2, 3)
+    assert sin.shape == cos.shape == (7, 8) and not sin[0].any() and (cos[0] == 1).all()
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    def meta(x, sin, cos):  # Meta's rope_apply on a tensor in the rope's dtype
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin[..., 4:].repeat(1, 2)
+
+    assert torch.equal(apply_rope(x, (sin, cos)), meta(x.float(), sin, cos).to(dtype))
+    assert torch.equal(apply_rope(x, (sin, cos))[0], x[0])  # prefix tokens are not rotated
+    if dtype == torch.bfloat16:  # rotating in bf16 (as the anchors do) gives other values
+        assert not torch.equal(apply_rope(x, (sin, cos)), meta(x, sin.to(dtype), cos.to(dtype)))
 
 
 def test_bf16_forward_is_close_to_fp32():
