@@ -85,6 +85,7 @@ def test_unknown_config_key_is_named():
 def test_unknown_argument_is_a_type_error_like_every_timm_model():
     with pytest.raises(TypeError, match=r"unknown config key\(s\) 'not_a_model_arg'") as info:
         timm.create_model("vit_ls_small_patch16_dinov3", device="meta", not_a_model_arg=1)
+    assert isinstance(info.value, timm_layerscale.UnknownConfigKeyError)
     assert isinstance(info.value, ValueError)  # what config errors raise, and what the CLI catches
     with pytest.raises(TypeError):
         VisionTransformerLS(depth=1, not_a_model_arg=1)
@@ -94,7 +95,8 @@ def test_unknown_argument_is_a_type_error_like_every_timm_model():
 
 
 @pytest.mark.parametrize(
-    ("img_size", "suggestion"), [(200, "e.g. 192,"), ((224, 8), "e.g. (224, 16),"), ([240, 250], "e.g. (240, 240),")]
+    ("img_size", "suggestion"),
+    [(200, "e.g. 192,"), (8, "e.g. 16,"), ((224, 8), "e.g. (224, 16),"), ([240, 250], "e.g. (240, 240),")],
 )
 def test_img_size_must_fit_the_patch_size_unless_padded(img_size, suggestion):
     with pytest.raises(ValueError) as info:

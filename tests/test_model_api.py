@@ -147,6 +147,17 @@ def test_features_only_and_pruning(images):
     assert taken == [1] and len(full.blocks) == 2
 
 
+@torch.no_grad()
+def test_prune_norm_ends_features_at_the_tap(images):
+    model = tiny(depth=3, cls_norm=True)
+    (patches, prefix), *_ = model.forward_intermediates(
+        images, indices=[1], output_fmt="NLC", return_prefix_tokens=True, intermediates_only=True
+    )
+    assert model.prune_intermediate_layers([1], prune_norm=True) == [1] and len(model.blocks) == 2
+    features = model.forward_features(images)
+    assert torch.equal(features[:, 5:], patches) and torch.equal(features[:, :5], prefix)
+
+
 def test_non_multiple_of_patch_size_rule():
     model = tiny()
     with pytest.raises(
@@ -227,12 +238,38 @@ def test_drop_path_kinds_in_train_mode(images):
     train_out.sum().backward()
 
 
-def test_rope_augmentation_only_in_training_and_per_block(images):
+@pytest.mark.parametrize(("batch", "kept"), [(4, 2), (1, 1)])
+@torch.no_grad()
+def test_sample_drop_adds_each_branch_to_a_subset_scaled_by_batch_over_kept(batch, kept):
+    block = tiny(drop_path_rate=0.5, stochastic_depth="sample_drop").blocks[0].train()
+    x = torch.randn(batch, 7, 64)
+    torch.manual_seed(9)  # at batch 4: samples {0, 2} for attention, {1, 3} for the MLP
+    out = block(x)
+    torch.manual_seed(9)
+    expected = x.clone()
+    index = torch.randperm(batch)[:kept]
+    expected[index] += batch / kept * block.ls1(block.attn(block.norm1(x[index])))
+    index = torch.randperm(batch)[:kept]
+    expected[index] += batch / kept * block.ls2(block.mlp(block.norm2(expected[index])))
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_sample_drop_trains_under_autocast():
+    """Under autocast the residual stream is bf16 but a LayerScale'd branch is fp32 (fp32 gammas)."""
+    model = tiny(depth=1, drop_path_rate=0.5, stochastic_depth="sample_drop").train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.forward_features(torch.randn(4, 3, 32, 32))
+    out.float().sum().backward()
+    assert model.blocks[0].ls2.gamma.grad is not None
+
+
+@pytest.mark.parametrize("grad_checkpointing", [False, True])
+def test_rope_augmentation_only_in_training_and_per_block(images, grad_checkpointing):
     model = tiny(rope_rescale_coords=2.0)
     plain = tiny()
     with torch.no_grad():
         assert torch.equal(model.forward_features(images), plain.forward_features(images))
-    model.train()
+    model.train().set_grad_checkpointing(grad_checkpointing)
     seen = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, args: seen.append(args[1][0].clone()))

@@ -30,15 +30,30 @@ def inputs(shape):
     return torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
 
 
-@torch.no_grad()
-def test_fx_graph_works_at_any_size():
-    model = tiny()
+def fx_trace(model):
     tracer_kwargs = dict(leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions())
-    traced = create_feature_extractor(model, return_nodes=["head"], tracer_kwargs=tracer_kwargs)
+    return create_feature_extractor(model, return_nodes=["head"], tracer_kwargs=tracer_kwargs)
+
+
+@pytest.mark.parametrize("normalize_coords", ["separate", "max"])
+@torch.no_grad()
+def test_fx_graph_works_at_any_size(normalize_coords):
+    model = tiny(rope_normalize_coords=normalize_coords)
+    traced = fx_trace(model)
     for shape in SIZES:
         assert max_diff(traced(inputs(shape))["head"], model(inputs(shape))) == 0
     with pytest.raises(ValueError, match="resize or crop it to 32x16"):
         traced(torch.randn(1, 3, 40, 20))
+
+
+def test_fx_graph_trains_with_sample_drop_and_rope_augmentation():
+    model = tiny(**FULL).train()
+    traced = fx_trace(model)
+    torch.manual_seed(0)
+    out = traced(inputs(SIZES[0]))["head"]
+    torch.manual_seed(0)
+    assert max_diff(out, model(inputs(SIZES[0]))) == 0  # the same random draws, in the same order
+    out.sum().backward()
 
 
 def test_torchscript_matches_eager_and_round_trips():

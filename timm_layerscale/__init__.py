@@ -3,7 +3,7 @@
 Importing the package registers the `vit_ls_*` variants: `timm.create_model("vit_ls_base_patch16_dinov3")`.
 """
 
-from .config import VitLsConfig, cait_init_value, resolve_init_values
+from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .conversion import CheckpointError, checkpoint_filter_fn, convert_state_dict, fold_layer_scale
 from .model import VisionTransformerLS
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 __all__ = [
     "VARIANTS",
     "CheckpointError",
+    "UnknownConfigKeyError",
     "VisionTransformerLS",
     "VitLsConfig",
     "cait_init_value",
