@@ -9,6 +9,7 @@ free memory back) on a CPU, since mapped file pages are reclaimable.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import logging
 import platform
@@ -72,6 +73,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+clock = CLOCKS["wall"]
+
+
+def add_machine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="'process' counts only the CPU time this process gets: use it with --threads 1 on a shared CPU",
+    )
+
+
+def apply_machine_args(args: argparse.Namespace) -> None:
+    global clock
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
+
+
 def round_robin(
     calls: dict[str, Callable[[], object]], rounds: int, device: torch.device, warmup: int = 2
 ) -> dict[str, list[float]]:
@@ -84,10 +106,10 @@ def round_robin(
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
+            start = clock()
             calls[name]()
             synchronize(device)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
@@ -162,8 +184,9 @@ def machine() -> str:
 
 
 def header(what: str) -> str:
+    timer = "process CPU time" if clock is time.process_time else "wall time"
     return (
-        f"{what}\n{date.today().isoformat()}; {machine()}\n"
+        f"{what}\n{date.today().isoformat()}; {machine()}; {timer}\n"
         f"torch {torch.__version__}, timm {timm.__version__}, transformers {transformers.__version__}, "
         f"timm-layerscale {timm_layerscale.__version__}"
     )

@@ -15,7 +15,7 @@ import copy
 
 import timm
 import torch
-from common import header, markdown, median_ms, ratio_stats, round_robin
+from common import add_machine_args, apply_machine_args, header, markdown, median_ms, ratio_stats, round_robin
 
 import timm_layerscale
 
@@ -41,10 +41,9 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    add_machine_args(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_machine_args(args)
     device = torch.device(args.device)
     rows = [["variant", "batch", "unfolded ms", "folded ms", "unfolded / folded [quartiles]", "max abs diff"]]
     for variant in args.variants:

@@ -24,6 +24,8 @@ from common import (
     EVA,
     HF,
     OURS,
+    add_machine_args,
+    apply_machine_args,
     build_models,
     features,
     header,
@@ -126,10 +128,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile'd copies of all three")
     parser.add_argument("--target", type=float, help="speed-up over the faster anchor to meet (CPU 1.0, GPU 1.15)")
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense peak for MFU, if not in the table")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    add_machine_args(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_machine_args(args)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     args.target = args.target or (1.15 if device.type == "cuda" else 1.0)
 

@@ -18,6 +18,8 @@ import torch
 from common import (
     EVA,
     OURS,
+    add_machine_args,
+    apply_machine_args,
     build_models,
     header,
     markdown,
@@ -52,10 +54,9 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", type=float, default=[0.1, 0.4])
     parser.add_argument("--guard", nargs="+", type=float, default=[1.0, 1.5], help="sample drop speed-up per rate")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    add_machine_args(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_machine_args(args)
     device = torch.device(args.device)
     x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0)).to(device)
     broken = []
