@@ -69,6 +69,8 @@ def test_bad_init_values_name_key_value_and_allowed(value, message):
         ({"global_pool": "mean"}, "global_pool: got 'mean'"),
         ({"stochastic_depth": "layer"}, "stochastic_depth: got 'layer'"),
         ({"rope_rescale_coords": 0.5}, "rope_rescale_coords: got 0.5"),
+        ({"freeze_layer_scale": "sometimes"}, "freeze_layer_scale: got 'sometimes'; allowed: true or false"),
+        ({"reinit_layer_scale": 2}, "reinit_layer_scale: got 2; allowed: true or false"),
     ],
 )
 def test_bad_config_values(overrides, message):
@@ -178,6 +180,11 @@ def test_train_py_model_kwargs_strings_are_parsed():
         assert model.config.layer_init_values == [(expected, expected)] * 2
     kwargs = parser.parse_args(["--model-kwargs", "init_values={'attn':1e-6,'mlp':'off'}", "depth=2"]).model_kwargs
     assert timm.create_model("vit_ls_small_patch16_dinov3", **kwargs).config.layer_init_values == [(1e-6, None)] * 2
+    args = ["--model-kwargs", "freeze_layer_scale=True", "reinit_layer_scale=true", "depth=2"]
+    model = timm.create_model("vit_ls_small_patch16_dinov3", **parser.parse_args(args).model_kwargs)
+    assert model.config.freeze_layer_scale is model.config.reinit_layer_scale is True
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {f"blocks.{i}.ls{j}.gamma" for i in range(2) for j in (1, 2)}
 
 
 def test_user_yaml_registers_a_new_variant(tmp_path):

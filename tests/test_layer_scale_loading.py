@@ -128,3 +128,40 @@ def test_gamma_that_cannot_fold_names_key_and_setting(tmp_path):
     save_file(state, tmp_path / "odd.safetensors")
     with pytest.raises(CheckpointError, match=r"cannot fold LayerScale blocks.1.ls2.gamma \[32\].*init_values="):
         load_both_ways(tmp_path / "odd.safetensors", init_values=0)
+
+
+def test_reinit_restarts_each_gamma_at_its_own_init_on_pretrained_loads_only(tmp_path, ls_log):
+    state = source().state_dict()  # gammas far from any init
+    save_file(state, tmp_path / "pretrained.safetensors")
+    per_block = [{"attn": 1e-4, "mlp": 1e-6}, {"attn": "off", "mlp": 0.1}]
+    by_file, by_checkpoint = load_both_ways(
+        tmp_path / "pretrained.safetensors", init_values=per_block, reinit_layer_scale=True
+    )
+    found = {k: v for k, v in by_file.state_dict().items() if k.endswith("gamma")}
+    expected = {"blocks.0.ls1.gamma": 1e-4, "blocks.0.ls2.gamma": 1e-6, "blocks.1.ls2.gamma": 0.1}
+    assert found.keys() == expected.keys()
+    assert all(torch.equal(found[k], torch.full((64,), v)) for k, v in expected.items())
+    fold = state["blocks.1.ls1.gamma"][:, None] * state["blocks.1.attn.proj.weight"]
+    assert torch.allclose(by_file.blocks[1].attn.proj.weight, fold)  # no LayerScale there: still folded
+    assert all(torch.equal(v, state[k]) for k, v in by_checkpoint.state_dict().items() if k.endswith("gamma"))
+    assert layer_scale_lines(ls_log) == [
+        "LayerScale: re-initialised 3 gammas to init_values (reinit_layer_scale=True); folded 1 gammas into the "
+        "projections before them (the model has LayerScale off; outputs are unchanged)",
+        "LayerScale: kept 3 gammas from the checkpoint; folded 1 gammas into the projections before them (the "
+        "model has LayerScale off; outputs are unchanged)",
+    ]
+
+
+def test_reinit_needs_no_gammas_in_the_checkpoint(tmp_path, ls_log):
+    save_file(source(init_values=0).state_dict(), tmp_path / "no_gammas.safetensors")
+    model = timm.create_model(
+        NAME,
+        pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(tmp_path / "no_gammas.safetensors")),
+        reinit_layer_scale=True,
+        strict_layer_scale=True,  # refuses gammas of 1, not gammas the model starts afresh
+        **TINY,
+    )
+    assert all(torch.equal(v, torch.full((64,), 1e-5)) for k, v in model.state_dict().items() if k.endswith("gamma"))
+    warnings = [r.getMessage() for r in ls_log.records if r.levelno >= logging.WARNING]
+    assert warnings == ["LayerScale: re-initialised 4 gammas to init_values (reinit_layer_scale=True)"]

@@ -5,9 +5,12 @@ import pickle
 import pytest
 import timm
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import FIXTURES, TINY, max_diff, move_off_init_
+from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file, save_file
-from timm.models import load_checkpoint
+from test_reference_parity import eva_reference, transformers_reference
+from timm.models import load_checkpoint, save_for_hf
 
 from timm_layerscale import CheckpointError, convert_state_dict
 
@@ -50,13 +53,111 @@ def test_wrapped_meta_checkpoints_load(wrap, tmp_path, images):
     assert max_diff(from_file(tmp_path / "ckpt.pth").forward_features(images), source.forward_features(images)) == 0
 
 
-def test_sharded_folder_gets_a_clear_error(tmp_path):
-    (tmp_path / "ckpt").mkdir()
-    (tmp_path / "ckpt" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(CheckpointError, match=r"is a folder, not a checkpoint file .* consolidate"):
-        from_file(tmp_path / "ckpt")
+def layout_file(layout: str, root):
+    """A checkpoint file in each layout the package reads, and what its source model computes."""
+    if layout == "transformers":
+        reference = transformers_reference("mlp")
+        reference.save_pretrained(root)
+        return root / "model.safetensors", lambda x: reference(pixel_values=x).last_hidden_state
+    if layout == "timm-eva":
+        reference = eva_reference("mlp")
+        save_file(reference.state_dict(), root / "eva.safetensors")
+        return root / "eva.safetensors", reference.forward_features
+    reference = source_model(rope_periods_bf16=False)
+    torch.save({"teacher": {f"backbone.{k}": v for k, v in reference.state_dict().items()}}, root / "meta.pth")
+    return root / "meta.pth", reference.forward_features
+
+
+KWARGS = dict(TINY, num_classes=5, rope_periods_bf16=False)
+
+
+def validate_checkpoint(path):
+    model = timm.create_model(NAME, **KWARGS)
+    load_checkpoint(model, str(path), use_ema=False)
+    return model
+
+
+# What train.py and validate.py do with a file path, with a new head for `--num-classes 5`.
+LOADERS = {
+    "--pretrained --pretrained-path": lambda path: timm.create_model(
+        NAME, pretrained=True, pretrained_cfg_overlay=dict(file=str(path), num_classes=-1), **KWARGS
+    ),
+    "--initial-checkpoint": lambda path: timm.create_model(NAME, checkpoint_path=str(path), **KWARGS),
+    "validate.py --checkpoint": validate_checkpoint,
+}
+
+
+@pytest.mark.parametrize("layout", ["meta", "transformers", "timm-eva"])
+@torch.no_grad()
+def test_every_loading_flag_reads_every_layout(layout, tmp_path, images):
+    path, reference = layout_file(layout, tmp_path)
+    expected = reference(images)
+    for flag, load in LOADERS.items():
+        model = load(path).eval()
+        assert max_diff(model.forward_features(images), expected) <= 1e-5, flag
+        assert model(images).shape == (2, 5), flag
+
+
+@pytest.mark.parametrize("folder", ["transformers", "timm"])
+def test_hub_folders_name_their_weights_file(folder, tmp_path):
+    """timm opens pretrained paths itself and reads one file: a Hub folder's error names the file to pass."""
+    if folder == "transformers":
+        transformers_reference("mlp").save_pretrained(tmp_path / "ckpt")
+    else:
+        save_for_hf(timm.create_model(NAME, **TINY), tmp_path / "ckpt", safe_serialization=True)
+    folder_path = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError) as info:
+        from_file(folder_path)
+    assert str(info.value) == f"{folder_path} is a folder; pass its weights file {folder_path / 'model.safetensors'}"
+
+
+def test_folders_and_indexes_point_at_convert(tmp_path):
+    """timm reads one file: a training folder gets the command that makes one (never torch's dcp_to_torch_save)."""
+    state = {"model": source_model().state_dict()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt" / "99"), no_dist=True)
+    with pytest.raises(CheckpointError) as info:
+        from_file(tmp_path / "ckpt" / "99")
+    assert str(info.value) == (
+        f"{tmp_path / 'ckpt' / '99'} is a distributed checkpoint, and pretrained loading reads one weights file; "
+        f"convert it to one first with `timm-ls convert {tmp_path / 'ckpt' / '99'} 99.safetensors --to meta` and "
+        f"pass 99.safetensors"
+    )
+    (tmp_path / "sharded").mkdir()
+    save_torch_state_dict(source_model().state_dict(), tmp_path / "sharded", max_shard_size=20_000)
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is a sharded safetensors, .* convert"):
+        from_file(tmp_path / "sharded" / "model.safetensors.index.json")
     with pytest.raises(CheckpointError, match="does not exist"):
         from_file(tmp_path / "nope.pth")
+
+
+@torch.no_grad()
+def test_hub_folder_points_at_its_weights_file(tmp_path, images):
+    source = source_model()
+    save_file(source.state_dict(), tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text('{"architecture": "vit_ls_small_patch16_dinov3"}')
+    expected = f"^{tmp_path} is a folder; pass its weights file {tmp_path / 'model.safetensors'}$"
+    with pytest.raises(CheckpointError, match=expected):
+        from_file(tmp_path)
+    (tmp_path / "config.json").unlink()  # weights alone in a folder
+    with pytest.raises(CheckpointError, match=expected):
+        from_file(tmp_path)
+    loaded = from_file(tmp_path / "model.safetensors")
+    assert max_diff(loaded.forward_features(images), source.forward_features(images)) == 0
+
+
+@torch.no_grad()
+def test_legacy_torch_file_loads(tmp_path, images):
+    source = source_model()
+    torch.save({"model": source.state_dict()}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    assert max_diff(from_file(tmp_path / "old.pth").forward_features(images), source.forward_features(images)) == 0
+
+
+@torch.no_grad()
+def test_an_overlay_without_a_file_loads_as_timm_does(images):
+    source = source_model()
+    overlay = dict(state_dict=source.state_dict())  # timm's other pretrained source besides file=
+    model = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=overlay, **TINY).eval()
+    assert max_diff(model.forward_features(images), source.forward_features(images)) == 0
 
 
 def test_unrecognised_layout_names_what_it_saw(tmp_path):
@@ -140,9 +241,9 @@ def test_malicious_pickle_is_never_executed(tmp_path):
             return (open, (str(marker), "w"))
 
     (tmp_path / "evil.pth").write_bytes(pickle.dumps({"cls_token": Exploit()}, protocol=2))
-    refused = (pickle.UnpicklingError, RuntimeError)  # timm wraps the refusal in RuntimeError since 1.0.26
-    with pytest.raises(refused, match=r"(?i)weights.only"):
+    with pytest.raises(CheckpointError, match=r"refused to read .*evil.pth: it is a Python pickle.*nothing was run"):
         from_file(tmp_path / "evil.pth")
+    refused = (pickle.UnpicklingError, RuntimeError)  # timm wraps the refusal in RuntimeError since 1.0.26
     with pytest.raises(refused, match=r"(?i)weights.only"):
         load_checkpoint(timm.create_model(NAME, **TINY), str(tmp_path / "evil.pth"))
     assert not marker.exists()

@@ -4,7 +4,15 @@ Importing the package registers the `vit_ls_*` variants: `timm.create_model("vit
 """
 
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
-from .conversion import CheckpointError, checkpoint_filter_fn, convert_state_dict, fold_layer_scale
+from .conversion import (
+    CheckpointError,
+    checkpoint_filter_fn,
+    convert_checkpoint,
+    convert_state_dict,
+    fold_layer_scale,
+    rename_layer_scale,
+)
+from .fsdp import shard_model
 from .model import VisionTransformerLS
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
 
@@ -18,10 +26,13 @@ __all__ = [
     "cait_init_value",
     "checkpoint_filter_fn",
     "config_dir",
+    "convert_checkpoint",
     "convert_state_dict",
     "fold_layer_scale",
     "register_variant",
+    "rename_layer_scale",
     "resolve_init_values",
+    "shard_model",
 ]
 
 register_builtin_variants()

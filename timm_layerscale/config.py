@@ -17,6 +17,8 @@ NORMALIZE_COORDS = ("separate", "min", "max")
 STOCHASTIC_DEPTH = ("drop_path", "sample_drop")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "cls_avg", "")
 LAYER_SCALE_OFF = ("off", "none", "false", "0")
+# Switches that act once, on the model being fine-tuned: never part of what a saved model passes on.
+TRAINING_SWITCHES = ("freeze_layer_scale", "reinit_layer_scale")
 BRANCHES = ("attn", "mlp")
 
 BranchInit = tuple[float | None, float | None]
@@ -70,6 +72,10 @@ class VitLsConfig:
     stochastic_depth: str = "drop_path"  # timm per-sample DropPath, or DINOv3's batch-subset sample drop
     # Loading: refuse a checkpoint without gammas instead of setting them to 1
     strict_layer_scale: bool = False
+    # Fine-tuning: gammas get no gradient (timm's optimiser factory leaves them out)
+    freeze_layer_scale: bool = False
+    # Fine-tuning: after a pretrained load (never a resume or --initial-checkpoint), gammas restart at init_values
+    reinit_layer_scale: bool = False
     layer_init_values: list[BranchInit] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -198,6 +204,8 @@ _FIELD_RULES = (
             "cls_norm",
             "local_cls_norm",
             "strict_layer_scale",
+            "freeze_layer_scale",
+            "reinit_layer_scale",
         ),
         lambda v: isinstance(v, bool),
         "true or false",

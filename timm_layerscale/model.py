@@ -16,7 +16,7 @@ from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import VitLsConfig
+from .config import TRAINING_SWITCHES, VitLsConfig
 from .conversion import install_load_hook
 from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
 
@@ -80,6 +80,10 @@ class VisionTransformerLS(nn.Module):
         if self.local_cls_norm is not None:
             # Only Meta's local-crop pretraining uses it: keep it out of the optimiser and of DDP's reducer.
             self.local_cls_norm.requires_grad_(False)
+        if cfg.freeze_layer_scale:
+            for module in self.modules():
+                if isinstance(module, LayerScale):
+                    module.gamma.requires_grad_(False)
 
     def _build(self, cfg: VitLsConfig) -> None:
         norm_layer = partial(nn.LayerNorm, eps=cfg.norm_eps)
@@ -163,6 +167,16 @@ class VisionTransformerLS(nn.Module):
     reset_parameters = init_weights
 
     # ---------------------------------------------------------------------------------------- timm API
+
+    @property
+    def _model_args(self) -> dict[str, Any]:
+        return self.__dict__.get("_reconstruction_args", {})
+
+    @_model_args.setter
+    def _model_args(self, args: dict[str, Any]) -> None:
+        # timm records create_model's keywords here and exports them (save_for_hf, push_to_hf_hub): a
+        # fine-tune saved with reinit_layer_scale=True must not re-initialise its gammas for whoever loads it.
+        self.__dict__["_reconstruction_args"] = {k: v for k, v in args.items() if k not in TRAINING_SWITCHES}
 
     @property
     def head_hidden_size(self) -> int:

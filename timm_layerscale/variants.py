@@ -19,6 +19,7 @@ from timm.models._pretrained import PretrainedCfg
 
 from .config import VitLsConfig
 from .conversion import CheckpointError, checkpoint_filter_fn
+from .conversion.reader import KIND_LEGACY_TORCH, KIND_SAFETENSORS, KIND_TORCH, open_checkpoint
 from .model import VisionTransformerLS
 
 __all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
@@ -29,6 +30,8 @@ VARIANTS: dict[str, Variant] = {}
 
 TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
 TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
+# What timm's own file loader reads (safetensors, torch.load); folders and indexes need converting first.
+SINGLE_FILE_KINDS = (KIND_SAFETENSORS, KIND_TORCH, KIND_LEGACY_TORCH)
 FEATURE_BLOCKS = 4  # features_only returns the last four blocks (or all, if fewer) unless out_indices says
 
 
@@ -116,16 +119,20 @@ def _requested_tag(variant: Variant, pretrained_cfg: Any) -> str | None:
 
 
 def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
-    path = Path(overlay["file"]) if overlay and overlay.get("file") else None
-    if path is None or path.is_file():
+    """Reads the file's headers before timm does, so a wrong or damaged file gets one clear error."""
+    if not overlay or not overlay.get("file"):
         return
-    if path.is_dir():
+    path = Path(overlay["file"])
+    with open_checkpoint(path) as checkpoint:
+        if path.is_file() and checkpoint.kind in SINGLE_FILE_KINDS:
+            return
+        if len(checkpoint.files) == 1 and checkpoint.files[0].is_file():
+            raise CheckpointError(f"{path} is a folder; pass its weights file {checkpoint.files[0]}")
+        converted = f"{path.name.split('.')[0]}.safetensors"
         raise CheckpointError(
-            f"{path} is a folder, not a checkpoint file (a sharded training checkpoint?); consolidate it "
-            f"into one state-dict file first (torch.distributed.checkpoint.format_utils.dcp_to_torch_save) "
-            f"and pass that file"
+            f"{path} is a {checkpoint.kind}, and pretrained loading reads one weights file; convert it to one "
+            f"first with `timm-ls convert {path} {converted} --to meta` and pass {converted}"
         )
-    raise CheckpointError(f"checkpoint file {path} does not exist; pass the path of a .safetensors or .pth file")
 
 
 def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
@@ -166,6 +173,20 @@ def register_variant(source: str | Path | dict[str, Any], name: str | None = Non
     VARIANTS[variant.name] = variant
     register_model(entrypoint)
     return variant.name
+
+
+def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
+    """A shipped variant to name in a saved config: `name` if it is one, else the one whose arguments
+    differ least from `config` (the saved config carries every argument, so any shipped name rebuilds it)."""
+    shipped = {n: v for n, v in VARIANTS.items() if Path(v.source).parent == config_dir()}
+    if name in shipped:
+        return name
+    values = config.to_dict()
+
+    def differing(variant: Variant) -> int:
+        return sum(values.get(k) != v for k, v in variant.model_args.items())
+
+    return min(sorted(shipped), key=lambda n: differing(shipped[n]))
 
 
 def register_builtin_variants() -> None:

@@ -8,18 +8,23 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import CheckpointError
+from .plan import Step
+from .reader import TensorInfo
 
 GAMMA_KEY = re.compile(r"^blocks\.(\d+)\.ls([12])\.gamma$")
 # Values LayerScale is commonly initialised to: a gamma vector equal to one of them was never trained.
 COMMON_INIT_VALUES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1)
 
 
-def branch_output_projection(keys: set[str] | dict, block: int, branch: str) -> str | None:
+def branch_output_projection(keys: Mapping[str, Any] | set[str], block: int, branch: str) -> str | None:
     """The linear layer whose output a LayerScale scales: attn.proj, mlp.fc2 or SwiGLU's mlp.w3."""
     candidates = ["attn.proj"] if branch == "1" else ["mlp.fc2", "mlp.w3"]
     for name in candidates:
@@ -29,62 +34,84 @@ def branch_output_projection(keys: set[str] | dict, block: int, branch: str) -> 
 
 
 def fold_gamma(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor):
-    gamma = gamma.to(weight.dtype)
-    return weight * gamma[:, None], None if bias is None else bias * gamma
+    """`gamma * (W x + b)` as one linear layer, computed in fp32 (or wider) and returned in the weight's dtype."""
+    gamma = gamma.to(torch.promote_types(weight.dtype, torch.float32))
+    folded = (weight * gamma[:, None]).to(weight.dtype)
+    return folded, None if bias is None else (bias * gamma).to(bias.dtype)
 
 
-def reconcile_layer_scale(
-    state_dict: dict[str, torch.Tensor],
-    expected: dict[str, torch.Tensor],
-    init_values: list[tuple[float | None, float | None]],
-    strict: bool,
-) -> tuple[str, list[str]]:
-    """Makes the file's gammas fit the model's LayerScale setting, in place. Returns (summary, warnings)."""
-    file_gammas = {k for k in state_dict if GAMMA_KEY.match(k)}
+def _fold(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, **_):
+    return fold_gamma(weight, bias, gamma)
+
+
+@dataclass
+class LayerScalePlan:
+    """What loading does with each gamma: keep it, fold it into `proj` before it, set it to 1, or restart it
+    at its `init_values` (`reinit_layer_scale` on a pretrained load)."""
+
+    kept: list[str]
+    folded: list[tuple[str, str]]  # (gamma key, projection prefix)
+    missing: list[str]
+    restarted: list[str]
+
+    def fold_steps(self, present: set[str]) -> list[Step]:
+        steps = []
+        for gamma, proj in self.folded:
+            bias = f"{proj}.bias" if f"{proj}.bias" in present else None
+            steps.append(Step((f"{proj}.weight", f"{proj}.bias"), (f"{proj}.weight", bias, gamma), _fold))
+        return steps
+
+    def summary(self) -> str:
+        parts = []
+        if self.restarted:
+            parts.append(f"re-initialised {len(self.restarted)} gammas to init_values (reinit_layer_scale=True)")
+        if self.kept:
+            parts.append(f"kept {len(self.kept)} gammas from the checkpoint")
+        if self.folded:
+            parts.append(
+                f"folded {len(self.folded)} gammas into the projections before them (the model has LayerScale "
+                f"off; outputs are unchanged)"
+            )
+        if self.missing:
+            parts.append(
+                f"set {len(self.missing)} gammas to 1 because the checkpoint has none (outputs equal the source "
+                f"model's)"
+            )
+        return "LayerScale: " + ("; ".join(parts) if parts else "off in both checkpoint and model")
+
+
+def plan_layer_scale(
+    infos: Mapping[str, TensorInfo], expected: Mapping[str, Any], strict: bool = False, reinit: bool = False
+) -> LayerScalePlan:
+    """Matches the checkpoint's gammas (native keys) to the model's LayerScale setting; nothing is read.
+
+    `reinit` restarts every gamma the model holds at its init value instead (LayerScale's muted start on a
+    pretrained trunk); gammas the model has no LayerScale for are still folded.
+    """
+    file_gammas = {k for k in infos if GAMMA_KEY.match(k)}
     model_gammas = {k for k in expected if GAMMA_KEY.match(k)}
-    kept = sorted(file_gammas & model_gammas, key=_block_order)
-    to_fold = sorted(file_gammas - model_gammas, key=_block_order)
-    missing = sorted(model_gammas - file_gammas, key=_block_order)
-
-    for key in to_fold:
+    folded = []
+    for key in sorted(file_gammas - model_gammas, key=_block_order):
         block, branch = GAMMA_KEY.match(key).groups()
-        proj = branch_output_projection(state_dict, int(block), branch)
-        gamma = state_dict[key]
-        if proj is None or gamma.shape != state_dict[f"{proj}.weight"].shape[:1]:
+        proj = branch_output_projection(infos, int(block), branch)
+        shape = infos[key].shape
+        if proj is None or shape != infos[f"{proj}.weight"].shape[:1]:
             raise CheckpointError(
-                f"cannot fold LayerScale {key} {list(gamma.shape)} into the layer before it; build the model "
+                f"cannot fold LayerScale {key} {list(shape)} into the layer before it; build the model "
                 f"with init_values set (e.g. init_values=1e-5) so the checkpoint's gammas load as they are"
             )
-        weight, bias = fold_gamma(state_dict[f"{proj}.weight"], state_dict.get(f"{proj}.bias"), gamma)
-        state_dict[f"{proj}.weight"] = weight
-        if bias is not None:
-            state_dict[f"{proj}.bias"] = bias
-        del state_dict[key]
-
+        folded.append((key, proj))
+    kept = sorted(file_gammas & model_gammas, key=_block_order)
+    missing = sorted(model_gammas - file_gammas, key=_block_order)
+    if reinit:
+        return LayerScalePlan([], folded, [], sorted(kept + missing, key=_block_order))
     if missing and strict:
         raise CheckpointError(
             f"the checkpoint has no LayerScale gammas ({missing[0]} and {len(missing) - 1} more) but the model "
             f"has LayerScale on; build it with init_values=0 to match the checkpoint, or leave "
             f"strict_layer_scale off to set the gammas to 1"
         )
-    for key in missing:
-        state_dict[key] = torch.ones(expected[key].shape, dtype=torch.float32)
-
-    warnings = _suspicious_gammas(state_dict, kept, init_values)
-    parts = []
-    if kept:
-        parts.append(f"kept {len(kept)} gammas from the checkpoint")
-    if to_fold:
-        parts.append(
-            f"folded {len(to_fold)} gammas into the projections before them (the model has LayerScale off; "
-            f"outputs are unchanged)"
-        )
-    if missing:
-        parts.append(
-            f"set {len(missing)} gammas to 1 because the checkpoint has none (outputs equal the source model's)"
-        )
-    summary = "LayerScale: " + ("; ".join(parts) if parts else "off in both checkpoint and model")
-    return summary, warnings
+    return LayerScalePlan(kept, folded, missing, [])
 
 
 def _block_order(key: str) -> tuple[int, int]:
@@ -92,14 +119,19 @@ def _block_order(key: str) -> tuple[int, int]:
     return int(block), int(branch)
 
 
-def _suspicious_gammas(state_dict, kept: list[str], init_values) -> list[str]:
+def suspicious_gammas(
+    gammas: Mapping[str, torch.Tensor], kept: list[str], init_values: list[tuple[float | None, float | None]]
+) -> list[str]:
+    """Warnings for gammas that are NaN or Inf (any of `gammas`), or, among `kept`, all equal to an init value."""
     non_finite, untrained = [], []
-    for key in kept:
-        gamma = state_dict[key].float()
+    for key in sorted(gammas, key=_block_order):
+        gamma = gammas[key].float()
         block, branch = _block_order(key)
         name = f"{block}.{'attn' if branch == 1 else 'mlp'}"
         if not torch.isfinite(gamma).all():
             non_finite.append(name)
+            continue
+        if key not in kept:
             continue
         value = gamma.flatten()[0].item()
         configured = init_values[block][branch - 1] if block < len(init_values) else None
@@ -139,7 +171,9 @@ def fold_layer_scale(model: nn.Module) -> nn.Module:
             setattr(block, ls_name, nn.Identity())
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "replace"):
-        model.config = config.replace(init_values=0)
+        model.config = config.replace(init_values=0)  # what a later save records
+    if isinstance(getattr(model, "_model_args", None), dict):  # what timm's own save_for_hf records
+        model._model_args["init_values"] = 0
     return model
 
 

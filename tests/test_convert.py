@@ -1,0 +1,670 @@
+"""`convert_checkpoint`: every layout in, every target out, loaded where it lands by the ecosystem's own code.
+
+Sources are models moved off their inits: ours (saved in Meta's keys, and as a native folder),
+transformers' DINOv3ViTModel and timm's eva DINOv3. transformers and eva compute RoPE periods in fp32
+without Meta's bf16 rounding, so our sources use `rope_periods_bf16=False`, as the parity tests do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from conftest import FIXTURES, TINY, max_diff, move_off_init_
+from hub_server import LocalHub, hub_env
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+from timm_layerscale import (
+    CheckpointError,
+    VisionTransformerLS,
+    convert_checkpoint,
+    fold_layer_scale,
+    rename_layer_scale,
+)
+from timm_layerscale.conversion.convert import expected_state, resolve_model
+from timm_layerscale.conversion.layouts import LAYER_SCALE_SPELLINGS, META, TIMM_EVA, TRANSFORMERS
+from timm_layerscale.conversion.reader import LazyCheckpoint, TensorInfo, open_checkpoint
+from timm_layerscale.conversion.targets import save_native
+from timm_layerscale.layers import swiglu_hidden_features
+from timm_layerscale.variants import VARIANTS
+
+VARIANT = {"mlp": "vit_ls_small_patch16_dinov3", "swiglu": "vit_ls_small_plus_patch16_dinov3"}
+EVA = {"mlp": "vit_small_patch16_dinov3_qkvb", "swiglu": "vit_small_plus_patch16_dinov3_qkvb"}
+KWARGS = dict(TINY)
+
+
+@torch.no_grad()
+def ours(ffn: str = "mlp", **kwargs) -> VisionTransformerLS:
+    torch.manual_seed(0)
+    model = timm.create_model(VARIANT[ffn], rope_periods_bf16=False, num_classes=0, **TINY, **kwargs)
+    return move_off_init_(model).eval()
+
+
+def transformers_model(ffn: str = "mlp") -> DINOv3ViTModel:
+    gated = ffn == "swiglu"
+    dim = TINY["embed_dim"]
+    config = DINOv3ViTConfig(
+        hidden_size=dim,
+        num_attention_heads=TINY["num_heads"],
+        num_hidden_layers=TINY["depth"],
+        intermediate_size=swiglu_hidden_features(dim, 6, 8) if gated else dim * 4,
+        use_gated_mlp=gated,
+        hidden_act="silu" if gated else "gelu",
+        num_register_tokens=4,
+    )
+    torch.manual_seed(0)
+    return move_off_init_(DINOv3ViTModel(config)).eval()
+
+
+def eva_model(ffn: str = "mlp") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return move_off_init_(timm.create_model(EVA[ffn], global_pool="token", **TINY)).eval()
+
+
+def contiguous(sd):
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+@torch.no_grad()
+def make_source(kind: str, root: Path, ffn: str = "mlp"):
+    """(path of the source file, a function giving its model's normed tokens)."""
+    if kind in ("meta", "native"):
+        model = ours(ffn)
+        if kind == "meta":
+            save_file(contiguous(model.state_dict()), root / "meta.safetensors")
+            return root / "meta.safetensors", model.forward_features
+        save_native(model, root / "native")
+        return root / "native" / "model.safetensors", model.forward_features
+    if kind == "hf":
+        model = transformers_model(ffn)
+        model.save_pretrained(root / "hf-src")
+        return root / "hf-src" / "model.safetensors", lambda x: model(pixel_values=x).last_hidden_state
+    model = eva_model(ffn)
+    save_file(contiguous(model.state_dict()), root / "eva.safetensors")
+    return root / "eva.safetensors", model.forward_features
+
+
+@torch.no_grad()
+def tokens_from(target: str, dst: Path, ffn: str):
+    """Normed tokens of the converted weights, loaded by the target ecosystem's own code."""
+    if target in ("native", "timm"):
+        return timm.create_model(f"local-dir:{dst}", pretrained=True).eval().forward_features
+    if target == "hf":
+        model = DINOv3ViTModel.from_pretrained(dst).eval()
+        return lambda x: model(pixel_values=x).last_hidden_state
+    state = torch.load(dst, weights_only=True) if dst.suffix == ".pth" else load_file(dst)
+    model = VisionTransformerLS(VARIANTS[VARIANT[ffn]].config.replace(**TINY)).eval()
+    model.load_state_dict(state, strict=True)
+    return model.forward_features
+
+
+def convert(src, dst, to, ffn="mlp", **kwargs):
+    return convert_checkpoint(src, dst, to=to, model=VARIANT[ffn], model_kwargs=KWARGS, **kwargs)
+
+
+TARGET_PATHS = {"native": "out", "meta": "out.pth", "hf": "out", "timm": "out"}
+
+
+@pytest.mark.parametrize("target", ["native", "meta", "hf", "timm"])
+@pytest.mark.parametrize("source", ["meta", "native", "hf", "timm"])
+def test_every_direction_loads_where_it_lands_with_the_sources_outputs(source, target, tmp_path, images):
+    src, expected = make_source(source, tmp_path)
+    dst = tmp_path / TARGET_PATHS[target]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = convert(src, dst, target)
+    assert result.layout == {"meta": "meta", "native": "meta", "hf": "transformers", "timm": "timm-eva"}[source]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, dst.name])  # nothing else left
+    assert max_diff(tokens_from(target, dst, "mlp")(images), expected(images)) <= 1e-5
+
+
+def test_a_dcp_training_folder_converts_its_ema_backbone(tmp_path, images):
+    """Meta's training saves `ckpt/<iter>/` with torch.distributed.checkpoint: the EMA backbone lands in hf."""
+    import torch.distributed.checkpoint as dcp
+
+    ema, student = ours(), move_off_init_(ours(), seed=7)
+    model = {
+        **{f"student.backbone.{k}": v for k, v in student.state_dict().items()},
+        **{f"model_ema.backbone.{k}": v for k, v in ema.state_dict().items()},
+        "dino_loss.center": torch.zeros(1, 16),
+    }
+    folder = tmp_path / "ckpt" / "99"
+    dcp.save({"iteration": 99, "model": model}, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
+    result = convert(folder, tmp_path / "hf", "hf")
+    assert (result.layout, result.weights) == ("meta", "model_ema")
+    assert "distributed checkpoint" in result.summary()
+    assert max_diff(tokens_from("hf", tmp_path / "hf", "mlp")(images), ema.forward_features(images)) <= 1e-5
+
+
+@pytest.mark.parametrize(("source", "target"), [("meta", "hf"), ("meta", "timm"), ("hf", "meta"), ("timm", "native")])
+def test_swiglu_directions(source, target, tmp_path, images):
+    src, expected = make_source(source, tmp_path, "swiglu")
+    dst = tmp_path / TARGET_PATHS[target]
+    convert(src, dst, target, "swiglu")
+    assert max_diff(tokens_from(target, dst, "swiglu")(images), expected(images)) <= 1e-5
+
+
+def meta_fixture_kwargs(name: str) -> tuple[str, dict]:
+    meta = json.loads((FIXTURES / "meta_configs.json").read_text())["models"][name]
+    variant = VARIANT[meta["ffn_layer"]]
+    return variant, dict(embed_dim=64, depth=meta["depth"], num_heads=meta["num_heads"], ffn_ratio=meta["ffn_ratio"])
+
+
+@pytest.mark.parametrize("name", ["meta_mlp", "meta_swiglu"])
+@pytest.mark.parametrize("released_mask", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_to_native_to_meta_is_lossless(name, released_mask, dtype, tmp_path):
+    """Every key, value and dtype of Meta's own state dict, the loaded bias_mask included."""
+    meta_sd = load_file(FIXTURES / f"{name}.safetensors")
+    meta_sd = {k: v if k.endswith("periods") else v.to(dtype) for k, v in meta_sd.items()}
+    if released_mask:  # released checkpoints carry an all-zero mask
+        meta_sd = {k: torch.zeros_like(v) if k.endswith("bias_mask") else v for k, v in meta_sd.items()}
+    save_file(meta_sd, tmp_path / "meta.safetensors")
+    variant, kwargs = meta_fixture_kwargs(name)
+    convert_checkpoint(
+        tmp_path / "meta.safetensors", tmp_path / "native", to="native", model=variant, model_kwargs=kwargs
+    )
+    back = tmp_path / "back.pth"
+    convert_checkpoint(tmp_path / "native" / "model.safetensors", back, to="meta", model=variant, model_kwargs=kwargs)
+    for path in (tmp_path / "native" / "model.safetensors", back):
+        again = torch.load(path, weights_only=True) if path.suffix == ".pth" else load_file(path)
+        assert set(again) == set(meta_sd)
+        for key, value in meta_sd.items():
+            assert again[key].dtype == value.dtype, key
+            assert torch.equal(again[key], value), key
+
+
+def test_native_folder_records_every_arg_and_rebuilds_the_model(tmp_path, images):
+    model = ours(init_values={"attn": 1e-5, "mlp": "off"}, local_cls_norm=True)
+    save_native(model, tmp_path / "native")
+    config = json.loads((tmp_path / "native" / "config.json").read_text())
+    assert config["architecture"] == VARIANT["mlp"]
+    assert config["model_args"]["init_values"] == {"attn": 1e-5, "mlp": "off"}
+    assert config["model_args"]["local_cls_norm"] is True and config["model_args"]["depth"] == 2
+    again = timm.create_model(f"local-dir:{tmp_path / 'native'}", pretrained=True).eval()
+    assert again.config == model.config
+    assert max_diff(again.forward_features(images), model.forward_features(images)) == 0
+
+
+def test_fold_layer_scale_is_recorded_by_a_later_save(tmp_path, images):
+    model = fold_layer_scale(ours())
+    save_native(model, tmp_path / "fused")
+    config = json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert config["model_args"]["init_values"] == 0
+    again = timm.create_model(f"local-dir:{tmp_path / 'fused'}", pretrained=True).eval()
+    assert not any(k.endswith("gamma") for k in again.state_dict())
+    assert max_diff(again.forward_features(images), model.forward_features(images)) == 0
+
+
+@pytest.mark.parametrize("target", ["native", "hf", "meta"])
+def test_fuse_layerscale(target, tmp_path, images):
+    src, expected = make_source("meta", tmp_path)
+    dst = tmp_path / TARGET_PATHS[target]
+    result = convert(src, dst, target, fuse_layerscale=True)
+    assert "folded 4 gammas" in result.report[-1]
+    if target == "native":
+        assert json.loads((dst / "config.json").read_text())["model_args"]["init_values"] == 0
+        assert not any(k.endswith("gamma") for k in load_file(dst / "model.safetensors"))
+    elif target == "hf":  # transformers always has LayerScale: gammas of 1
+        gammas = {k: v for k, v in load_file(dst / "model.safetensors").items() if k.endswith("lambda1")}
+        assert len(gammas) == 4 and all(torch.equal(g, torch.ones(64)) for g in gammas.values())
+    assert max_diff(tokens_from(target, dst, "mlp")(images), expected(images)) <= 1e-5
+
+
+def test_dtype_casts_weights_and_keeps_periods(tmp_path):
+    src, _ = make_source("meta", tmp_path)
+    periods = load_file(src)["rope_embed.periods"]
+    convert(src, tmp_path / "out", "native", dtype="bf16")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(written["rope_embed.periods"], periods) and periods.dtype == torch.float32
+    assert {v.dtype for k, v in written.items() if k != "rope_embed.periods"} == {torch.bfloat16}
+
+
+def test_hf_shards_above_the_limit_with_an_index(tmp_path, images):
+    src, expected = make_source("meta", tmp_path)
+    convert(src, tmp_path / "hf", "hf", max_shard_size="100KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all((tmp_path / "hf" / s).is_file() for s in shards)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    assert max_diff(tokens_from("hf", tmp_path / "hf", "mlp")(images), expected(images)) <= 1e-5
+
+
+@torch.no_grad()
+def test_effective_biases_pick_the_eva_architecture(tmp_path, images):
+    """Released Meta files carry non-zero-looking biases under an all-zero mask: eva gets no bias at all."""
+    model = ours()
+    for block in model.blocks:
+        block.attn.qkv.bias_mask.zero_()
+    save_file(contiguous(model.state_dict()), tmp_path / "released.safetensors")
+    convert(tmp_path / "released.safetensors", tmp_path / "timm", "timm")
+    assert json.loads((tmp_path / "timm" / "config.json").read_text())["architecture"] == "vit_small_patch16_dinov3"
+    assert max_diff(tokens_from("timm", tmp_path / "timm", "mlp")(images), model.forward_features(images)) <= 1e-5
+    convert(tmp_path / "released.safetensors", tmp_path / "hf", "hf")
+    biases = {k: v for k, v in load_file(tmp_path / "hf" / "model.safetensors").items() if k.endswith("proj.bias")}
+    assert all(not v.any() for k, v in biases.items() if ".q_proj" in k or ".v_proj" in k)
+
+
+@torch.no_grad()
+def test_non_zero_k_bias_is_kept_by_transformers_and_named_for_eva(tmp_path, images):
+    model = ours()
+    for block in model.blocks:
+        block.attn.qkv.bias_mask.fill_(1.0)  # a model trained without k-masking
+    save_file(contiguous(model.state_dict()), tmp_path / "kbias.safetensors")
+    convert(tmp_path / "kbias.safetensors", tmp_path / "hf", "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["key_bias"] is True
+    assert max_diff(tokens_from("hf", tmp_path / "hf", "mlp")(images), model.forward_features(images)) <= 1e-5
+    result = convert(tmp_path / "kbias.safetensors", tmp_path / "timm", "timm")
+    assert "non-zero k biases (blocks 0, 1)" in result.summary()
+    assert any("k bias" in w for w in result.warnings)
+    with pytest.raises(CheckpointError, match="k bias"):
+        convert(tmp_path / "kbias.safetensors", tmp_path / "timm2", "timm", strict=True)
+    assert not (tmp_path / "timm2").exists()
+
+
+def test_what_a_target_cannot_hold_is_summarised(tmp_path):
+    model = ours(cls_norm=True, local_cls_norm=True)
+    save_file(contiguous(model.state_dict()), tmp_path / "sat.safetensors")
+    timm_result = convert(tmp_path / "sat.safetensors", tmp_path / "timm", "timm")
+    summary = timm_result.summary()
+    for name in ("mask_token", "rope_embed.periods", "cls_norm", "local_cls_norm"):
+        assert name in summary.split("not held by timm: ")[1]
+    assert timm_result.warnings == [
+        "timm cannot hold cls_norm: cls and storage tokens are normed by norm there: their outputs differ"
+    ]
+    hf_summary = convert(tmp_path / "sat.safetensors", tmp_path / "hf", "hf").summary()
+    assert "mask_token" not in hf_summary and "local_cls_norm" in hf_summary
+    native = convert(tmp_path / "sat.safetensors", tmp_path / "native", "native")
+    assert "not held" not in native.summary()
+    args = json.loads((tmp_path / "native" / "config.json").read_text())["model_args"]
+    assert args["cls_norm"] is True and args["local_cls_norm"] is True
+
+
+def test_a_shape_eva_has_no_architecture_for_fails_clearly(tmp_path):
+    state = expected_state(VARIANTS["vit_ls_large_plus_patch16_dinov3"].config.replace(depth=1, num_classes=0))
+    save_file({k: torch.zeros(v.shape) for k, v in state.items()}, tmp_path / "lplus.safetensors")
+    with pytest.raises(CheckpointError, match="timm's eva has no DINOv3 architecture for vit_ls_large_plus"):
+        convert_checkpoint(tmp_path / "lplus.safetensors", tmp_path / "timm", to="timm", model_kwargs={"depth": 1})
+    assert not (tmp_path / "timm").exists()
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("layout", [META, TRANSFORMERS, TIMM_EVA])
+def test_variant_is_inferred_from_the_shapes(name, layout):
+    """Released shapes (the 7B too) on the meta device, in each layout: the variant comes back."""
+    config = VARIANTS[name].config.replace(num_classes=0)
+    state = dict(expected_state(config))
+    state["rope_embed.periods"] = torch.ones(state["rope_embed.periods"].shape)  # the one value inference reads
+    if layout is not META:
+        state = dict(layout.from_native(state, qkv_bias=True)[0].items())
+    probe = LazyCheckpoint(
+        Path("probe"),
+        "state dict",
+        "all",
+        {k: TensorInfo(v.shape, v.dtype) for k, v in state.items()},
+        state.__getitem__,
+    )
+    native = layout.to_native(probe)
+    resolved = resolve_model(native, None, {}, None)
+    assert resolved.name == name and "inferred from the shapes" in resolved.reason
+
+
+def test_shapes_of_no_variant_name_the_nearest_and_the_key(tmp_path):
+    src, _ = make_source("meta", tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        convert_checkpoint(src, tmp_path / "out", to="native")
+    message = str(info.value)
+    assert "match no registered variant; the nearest is vit_ls_small_patch16_dinov3: cls_token is [1, 1, 64]" in message
+    assert "--model" in message and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------- streaming
+
+
+class Recorder:
+    """A lazy checkpoint that records its reads and how many of the tensors it handed out are still alive."""
+
+    def __init__(self, path: Path) -> None:
+        self.inner = open_checkpoint(path)
+        self.reads: list[str] = []
+        self.alive_at_read: list[int] = []
+        self.handed_out: list[weakref.ref] = []
+        infos = {k: self.inner.info(k) for k in self.inner}
+        self.checkpoint = LazyCheckpoint(path, "recorded", self.inner.weights, infos, self.read)
+
+    def read(self, key: str) -> torch.Tensor:
+        self.alive_at_read.append(sum(ref() is not None for ref in self.handed_out))
+        self.reads.append(key)
+        tensor = self.inner[key].clone()  # a private copy: alive only while the conversion holds it
+        self.handed_out.append(weakref.ref(tensor))
+        return tensor
+
+
+@pytest.mark.parametrize("target", ["hf", "timm", "native", "meta"])
+def test_conversion_streams_one_tensor_at_a_time(target, tmp_path):
+    src, _ = make_source("meta", tmp_path)
+    recorder = Recorder(src)
+    convert(recorder.checkpoint, tmp_path / TARGET_PATHS[target], target)
+    unheld = ["mask_token"] if target == "timm" else []
+    weights = [k for k in recorder.inner if len(recorder.inner.info(k).shape) >= 2 and k not in unheld]
+    reads = [i for i, key in enumerate(recorder.reads) if key in weights]
+    assert sorted(recorder.reads[i] for i in reads) == sorted(weights)  # each weight read once
+    # When the next weight is read, nothing read before is held any more: one tensor at a time.
+    assert [recorder.alive_at_read[i] for i in reads] == [0] * len(weights)
+
+
+def test_lazy_reader_is_the_path_taken(tmp_path):
+    """Through `convert_checkpoint(path)`: the source is opened memory-mapped, never loaded whole."""
+    src, _ = make_source("meta", tmp_path)
+    torch.save(load_file(src), tmp_path / "meta.pth")
+    with open_checkpoint(tmp_path / "meta.pth") as ckpt:
+        assert ckpt.kind == "torch file"
+    result = convert(tmp_path / "meta.pth", tmp_path / "out", "hf")
+    assert result.tensors == len(load_file(tmp_path / "out" / "model.safetensors"))
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+# ---------------------------------------------------------------------------------------------- safety
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_existing_destination_is_kept_unless_overwrite(tmp_path):
+    src, _ = make_source("meta", tmp_path)
+    before = digest(src)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
+        convert(src, tmp_path / "out", "native")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    convert(src, tmp_path / "out", "native", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.safetensors", "out"]  # the old one is gone
+    assert digest(src) == before
+    with pytest.raises(CheckpointError, match="would replace the source"):
+        convert(src, src, "meta", overwrite=True)
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_error_mid_write_leaves_nothing_behind(overwrite, tmp_path):
+    src, _ = make_source("meta", tmp_path)
+    inner = open_checkpoint(src)
+    reads = []
+
+    def failing_read(key):
+        reads.append(key)
+        if len(reads) == 12:
+            raise OSError("disk went away")
+        return inner[key]
+
+    broken = LazyCheckpoint(src, "broken", "all", {k: inner.info(k) for k in inner}, failing_read)
+    dst = tmp_path / "nested" / "out"
+    if overwrite:
+        dst.mkdir(parents=True)
+        (dst / "old.txt").write_text("old")
+    with pytest.raises(OSError, match="disk went away"):
+        convert(broken, dst, "hf", overwrite=overwrite)
+    if overwrite:
+        assert sorted(p.name for p in dst.parent.iterdir()) == ["out"] and (dst / "old.txt").read_text() == "old"
+    else:
+        assert not (tmp_path / "nested").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_gammas_warn_and_fail_under_strict(value, tmp_path):
+    state = contiguous(ours().state_dict())
+    state["blocks.1.ls2.gamma"][3] = value
+    save_file(state, tmp_path / "broken.safetensors")
+    result = convert(tmp_path / "broken.safetensors", tmp_path / "out", "native")
+    assert result.warnings == ["LayerScale gammas are NaN or Inf in blocks 1.mlp: the checkpoint is broken"]
+    with pytest.raises(CheckpointError, match=r"NaN or Inf in blocks 1.mlp.*--strict"):
+        convert(tmp_path / "broken.safetensors", tmp_path / "strict", "native", strict=True)
+    assert not (tmp_path / "strict").exists()
+    fused = convert(tmp_path / "broken.safetensors", tmp_path / "fused", "native", fuse_layerscale=True)
+    assert fused.warnings == result.warnings  # folded gammas are checked too
+
+
+@pytest.mark.parametrize("weights", ["auto", "ema", "raw"])
+def test_the_summary_names_the_weights_set_taken(weights, tmp_path):
+    student, teacher = ours().state_dict(), fold_layer_scale(ours()).state_dict()
+    torch.save({"student": student, "teacher": teacher, "iteration": 3}, tmp_path / "train.pth")
+    result = convert(tmp_path / "train.pth", tmp_path / "out", "native", weights=weights)
+    taken = "student" if weights == "raw" else "teacher"
+    assert result.weights == taken and f"weights: {taken})" in result.summary()
+    has_gammas = any(k.endswith("gamma") for k in load_file(tmp_path / "out" / "model.safetensors"))
+    assert has_gammas == (weights == "raw")
+
+
+# ------------------------------------------------------------------------------------------------- Hub
+
+LOAD_FROM_HUB = """
+import sys
+import timm, timm_layerscale, torch
+from safetensors.torch import load_file, save_file
+
+x = load_file(sys.argv[1])["x"]
+with torch.no_grad():
+    tokens = {name: timm.create_model(name, pretrained=True).eval().forward_features(x) for name in sys.argv[3:]}
+save_file(tokens, sys.argv[2])
+"""
+
+
+def test_converted_folders_load_from_the_hub(tmp_path, images):
+    """`hf-hub:` through the real huggingface_hub client, against the local stand-in for the Hub."""
+    src, expected = make_source("meta", tmp_path)
+    repos = {"native": "someone/vit-ls-tiny", "timm": "someone/eva-tiny"}
+    for target, repo in repos.items():
+        convert(src, tmp_path / "hub" / repo, target)
+    save_file({"x": images}, tmp_path / "x.safetensors")
+    names = [f"hf-hub:{repo}" for repo in repos.values()]
+    with LocalHub(tmp_path / "hub") as hub:
+        args = [sys.executable, "-c", LOAD_FROM_HUB, str(tmp_path / "x.safetensors"), str(tmp_path / "out.safetensors")]
+        env = hub_env(hub, tmp_path / "hf_home")
+        result = subprocess.run([*args, *names], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for repo in repos.values():
+        assert f"GET /{repo}/resolve/main/config.json" in hub.requests
+        assert f"GET /{repo}/resolve/main/model.safetensors" in hub.requests
+    tokens = load_file(tmp_path / "out.safetensors")
+    with torch.no_grad():
+        for name in names:
+            assert max_diff(tokens[name], expected(images)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------ other families
+
+
+def test_a_foreign_family_is_named_when_loading_too(tmp_path):
+    dinov2 = timm.create_model("vit_small_patch14_dinov2", depth=1, embed_dim=64, num_heads=4, img_size=56)
+    save_file(contiguous(dinov2.state_dict()), tmp_path / "dinov2.safetensors")
+    with pytest.raises(CheckpointError, match=r"^this is a DINOv2 checkpoint: .*vit_\*_patch14_dinov2"):
+        timm.create_model(
+            VARIANT["mlp"], pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "dinov2.safetensors"))
+        )
+
+
+@pytest.mark.parametrize("to", LAYER_SCALE_SPELLINGS)
+def test_rename_layer_scale_between_spellings(to):
+    spelled = {
+        "lsN.gamma": ["blocks.0.ls1.gamma", "blocks.0.ls2.gamma"],
+        "gamma_N": ["blocks.0.gamma_1", "blocks.0.gamma_2"],
+        "layer_scaleN.lambda1": ["blocks.0.layer_scale1.lambda1", "blocks.0.layer_scale2.lambda1"],
+    }
+    for source, keys in spelled.items():
+        state = {"cls_token": 0, keys[0]: 1, "blocks.0.attn.proj.weight": 2, keys[1]: 3, "blocks.0.gamma": 4}
+        renamed = rename_layer_scale(state, to)
+        assert list(renamed) == [
+            "cls_token",
+            spelled[to][0],
+            "blocks.0.attn.proj.weight",
+            spelled[to][1],
+            "blocks.0.gamma",
+        ]
+        assert list(renamed.values()) == [0, 1, 2, 3, 4], source
+
+
+def test_rename_layer_scale_refuses_ambiguity():
+    with pytest.raises(ValueError, match=r"allowed: lsN\.gamma, gamma_N, layer_scaleN\.lambda1"):
+        rename_layer_scale({}, "ls_N")
+    with pytest.raises(ValueError, match="under two spellings"):
+        rename_layer_scale({"blocks.0.ls1.gamma": 0, "blocks.0.gamma_1": 1}, "lsN.gamma")
+    hf = transformers_model().state_dict()
+    assert sum(k.endswith("ls1.gamma") for k in rename_layer_scale(hf, "lsN.gamma")) == TINY["depth"]
+
+
+# ---------------------------------------------------------------------------------- variants and config
+
+
+@pytest.mark.parametrize("source", ["hf", "native", "timm"])
+def test_a_folders_config_json_names_the_architecture(source, tmp_path, images):
+    """No --model: transformers' config gives the heads, ours and timm's the variant and args."""
+    src, expected = make_source(source if source != "timm" else "meta", tmp_path)
+    folder = src.parent
+    if source == "timm":
+        convert(src, tmp_path / "eva", "timm")
+        folder = tmp_path / "eva"
+    result = convert_checkpoint(folder, tmp_path / "out", to="native")
+    assert result.reason.startswith("named in config.json" if source != "hf" else "inferred from the shapes and")
+    assert "num_heads=4" in result.reason or source == "native"
+    assert max_diff(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images)) <= 1e-5
+
+
+def test_a_yaml_variant_converts_without_being_registered(tmp_path, images):
+    yaml_file = tmp_path / "my_tiny_vit.yaml"
+    yaml_file.write_text("base: vit_ls_small_patch16_dinov3\nmodel:\n  embed_dim: 64\n  depth: 2\n  num_heads: 4\n")
+    src, expected = make_source("meta", tmp_path)
+    result = convert_checkpoint(src, tmp_path / "out", to="native", model=str(yaml_file))
+    assert result.variant == "my_tiny_vit" and "my_tiny_vit" not in VARIANTS
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architecture"] in VARIANTS and config["model_args"]["embed_dim"] == 64  # a shipped name
+    assert max_diff(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images)) <= 1e-5
+
+
+def test_a_large_conversion_shows_progress(tmp_path, capsys):
+    src, _ = make_source("meta", tmp_path)
+    convert(src, tmp_path / "out", "hf", progress=True)
+    err = capsys.readouterr().err
+    assert "hf out" in err and "100%" in err
+    convert(src, tmp_path / "quiet", "hf")  # small and not on a terminal: no bar
+    assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------------------------ values, not just outputs
+
+
+@torch.no_grad()
+def test_imported_qkv_biases_keep_metas_conventions(tmp_path):
+    """A layout without a k bias gives a zero one under Meta's mask (ones, k third zero)."""
+    for source in ("hf", "timm"):
+        (tmp_path / source).mkdir()
+        src, _ = make_source(source, tmp_path / source)
+        convert(src, tmp_path / f"{source}.pth", "meta")
+        state = torch.load(tmp_path / f"{source}.pth", weights_only=True)
+        for i in range(TINY["depth"]):
+            q, k, v = state[f"blocks.{i}.attn.qkv.bias"].chunk(3)
+            assert q.any() and v.any() and not k.any()
+            assert state[f"blocks.{i}.attn.qkv.bias_mask"].tolist() == [1.0] * 64 + [0.0] * 64 + [1.0] * 64
+
+
+@torch.no_grad()
+def test_a_transformers_k_bias_is_read_back(tmp_path, images):
+    model = transformers_model()
+    model.config.key_bias = True
+    with_k = DINOv3ViTModel(model.config).eval()
+    with_k.load_state_dict(model.state_dict(), strict=False)
+    for layer in with_k.model.layer:
+        layer.attention.k_proj.bias.normal_()
+    with_k.save_pretrained(tmp_path / "hf-k")
+    convert(tmp_path / "hf-k" / "model.safetensors", tmp_path / "native", "native")
+    expected = with_k(pixel_values=images).last_hidden_state
+    assert max_diff(tokens_from("native", tmp_path / "native", "mlp")(images), expected) <= 1e-5
+
+
+@torch.no_grad()
+def test_a_model_without_a_bias_mask_loads_the_masked_bias(images):
+    """The mask is folded into the bias when the model has none: Meta's outputs, not the raw bias's."""
+    meta_sd = load_file(FIXTURES / "meta_mlp.safetensors")
+    variant, kwargs = meta_fixture_kwargs("meta_mlp")
+    outputs = load_file(FIXTURES / "meta_mlp_outputs.safetensors")
+    model = timm.create_model(variant, mask_k_bias=False, **kwargs).eval()
+    model.load_state_dict(meta_sd)
+    assert not any(k.endswith("bias_mask") for k in model.state_dict())
+    assert max_diff(model(outputs["input"]), outputs["forward"]) <= 1e-5
+
+
+@torch.no_grad()
+def test_fold_layer_scale_is_recorded_by_timms_own_save(tmp_path, images):
+    model = timm.create_model(VARIANT["mlp"], init_values=1e-5, num_classes=0, **TINY)
+    if not hasattr(model, "_model_args"):
+        pytest.skip("this timm records no model args on save")
+    move_off_init_(model).eval()
+    fold_layer_scale(model)
+    timm.models.save_for_hf(model, str(tmp_path / "timm-save"), safe_serialization=True)
+    assert model._model_args["init_values"] == 0
+    config = json.loads((tmp_path / "timm-save" / "config.json").read_text())
+    if "model_args" not in config:
+        pytest.skip("this timm's save_for_hf writes no model args")
+    assert config["model_args"]["init_values"] == 0
+    again = timm.create_model(f"local-dir:{tmp_path / 'timm-save'}", pretrained=True).eval()
+    assert max_diff(again.forward_features(images), model.forward_features(images)) == 0
+
+
+def test_fills_take_the_checkpoints_dtype(tmp_path):
+    model = ours().to(torch.bfloat16)
+    save_file(contiguous(model.state_dict()), tmp_path / "bf16.safetensors")
+    convert(tmp_path / "bf16.safetensors", tmp_path / "hf", "hf", fuse_layerscale=True)
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    assert {v.dtype for v in written.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_native_folder_writes_layer_scale_off_as_zero_and_keeps_what_exists(tmp_path):
+    """timm drops keyword arguments that are None: LayerScale off is written as 0."""
+    model = VisionTransformerLS(VARIANTS[VARIANT["mlp"]].config.replace(init_values=None, **TINY))
+    save_native(model, tmp_path / "off")
+    assert json.loads((tmp_path / "off" / "config.json").read_text())["model_args"]["init_values"] == 0
+    with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
+        save_native(model, tmp_path / "off")
+    save_native(model, tmp_path / "off", overwrite=True)
+
+
+def test_a_failed_rename_restores_the_destination(tmp_path, monkeypatch):
+    src, _ = make_source("meta", tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    replace = os.replace
+
+    def refuse_new(source, target):
+        if ".tmp-" in str(source):
+            raise OSError("rename refused")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", refuse_new)
+    with pytest.raises(OSError, match="rename refused"):
+        convert(src, tmp_path / "out", "native", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["meta.safetensors", "out"])
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.txt"]
+
+
+def test_a_timm_config_of_fixed_size_becomes_dynamic(tmp_path):
+    """timm's Hub configs of eva DINOv3 say fixed_input_size; the folder written runs at any size."""
+    src, _ = make_source("meta", tmp_path)
+    convert(src, tmp_path / "eva", "timm")
+    config = json.loads((tmp_path / "eva" / "config.json").read_text())
+    config["pretrained_cfg"]["fixed_input_size"] = True
+    (tmp_path / "eva" / "config.json").write_text(json.dumps(config))
+    convert_checkpoint(tmp_path / "eva", tmp_path / "again", to="timm")
+    again = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert again["pretrained_cfg"]["fixed_input_size"] is False and again["model_args"]["dynamic_img_size"] is True

@@ -1,0 +1,172 @@
+"""`timm-ls convert` end to end: one case in its own interpreter, the others through the same `main`."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from conftest import TINY, move_off_init_
+from safetensors.torch import save_file
+from transformers import Dinov2Config, Dinov2Model
+
+from timm_layerscale import CheckpointError
+from timm_layerscale.cli import main
+
+CLI = [sys.executable, "-m", "timm_layerscale.cli"]
+SMALL = ["--model", "vit_ls_small_patch16_dinov3", "--model-kwargs", *(f"{k}={v}" for k, v in TINY.items())]
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def contiguous(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.contiguous() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("convert-cli")
+    torch.manual_seed(0)
+    small = move_off_init_(timm.create_model("vit_ls_small_patch16_dinov3", num_classes=0, **TINY))
+    save_file(contiguous(small), root / "small.safetensors")
+    nan = contiguous(small)
+    nan["blocks.0.ls1.gamma"][0] = float("nan")
+    save_file(nan, root / "nan.safetensors")
+    (root / "exists").mkdir()
+    (root / "exists" / "keep.txt").write_text("mine")
+    foreign = {
+        "dinov2": timm.create_model("vit_small_patch14_dinov2", depth=1, embed_dim=64, num_heads=4, img_size=56),
+        "deit3": timm.create_model("deit3_small_patch16_224", depth=1, embed_dim=64, num_heads=4, img_size=64),
+        "cait": timm.create_model(
+            "cait_xxs24_224", depth=1, depth_token_only=1, embed_dim=64, num_heads=4, img_size=64
+        ),
+        "hf_dinov2": Dinov2Model(
+            Dinov2Config(
+                hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128, image_size=56
+            )
+        ),
+    }
+    for name, model in foreign.items():
+        save_file(contiguous(model), root / f"{name}.safetensors")
+    (root / "notes.txt").write_text("not a checkpoint\n" * 40)
+    (root / "truncated.safetensors").write_bytes((root / "small.safetensors").read_bytes()[:5000])
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(files: Path) -> dict[str, Run]:
+    small = str(files / "small.safetensors")
+    cases = {
+        "fused_hf": ["convert", small, str(files / "out-hf"), "--to", "hf", "--fuse-layerscale", *SMALL],
+        "unknown_to": ["convert", small, str(files / "x1"), "--to", "onnx", *SMALL],
+        "unknown_dtype": ["convert", small, str(files / "x2"), "--to", "hf", "--dtype", "int4", *SMALL],
+        "unknown_weights": ["convert", small, str(files / "x3"), "--to", "hf", "--weights", "best", *SMALL],
+        "unknown_model": ["convert", small, str(files / "x4"), "--to", "hf", "--model", "vit_ls_smal_patch16_dinov3"],
+        "exists": ["convert", small, str(files / "exists"), "--to", "native", *SMALL],
+        "no_variant": ["convert", small, str(files / "x5"), "--to", "native"],
+        "missing": ["convert", str(files / "absent.pth"), str(files / "x6"), "--to", "native"],
+        "nan": ["convert", str(files / "nan.safetensors"), str(files / "out-nan"), "--to", "native", *SMALL],
+        "nan_strict": [
+            "convert",
+            str(files / "nan.safetensors"),
+            str(files / "x7"),
+            "--to",
+            "native",
+            "--strict",
+            *SMALL,
+        ],
+        "meta_suffix": ["convert", small, str(files / "x8.onnx"), "--to", "meta", *SMALL],
+        "text_file": ["convert", str(files / "notes.txt"), str(files / "x9"), "--to", "native", *SMALL],
+        "truncated": ["convert", str(files / "truncated.safetensors"), str(files / "x10"), "--to", "hf", *SMALL],
+        **{
+            name: ["convert", str(files / f"{name}.safetensors"), str(files / f"x-{name}"), "--to", "native"]
+            for name in ("dinov2", "deit3", "cait", "hf_dinov2")
+        },
+    }
+    results = {}
+    for name, args in cases.items():
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            code = main(args)
+        results[name] = Run(code, out.getvalue(), err.getvalue())
+    # The installed command, in its own interpreter:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    args = ["convert", small, str(files / "out-native"), "--to", "native", *SMALL]
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=300)
+    results["ok"] = Run(proc.returncode, proc.stdout, proc.stderr)
+    return results
+
+
+def test_a_conversion_prints_one_summary_line(runs: dict[str, Run], files: Path) -> None:
+    run = runs["ok"]
+    assert run.returncode == 0, run.stderr
+    summary = run.stdout.splitlines()[-1]
+    assert summary.startswith(f"converted {files / 'small.safetensors'} (safetensors file, meta layout, weights: the only weights set)")
+    assert f"to native {files / 'out-native'}: vit_ls_small_patch16_dinov3 (given, with " in summary
+    assert " tensors, " in summary and " KB, " in summary and summary.endswith(" s")
+    assert sorted(p.name for p in (files / "out-native").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_fused_conversion_says_so(runs: dict[str, Run]) -> None:
+    run = runs["fused_hf"]
+    assert run.returncode == 0, run.stderr
+    assert "LayerScale: folded 4 gammas into the projections before them" in run.stdout
+    assert "not held by hf: rope_embed.periods" in run.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("unknown_to", "unknown target 'onnx'; pass --to one of native, meta, hf, timm"),
+        ("unknown_dtype", "unknown dtype 'int4'; pass --dtype one of keep, fp32, bf16, fp16"),
+        ("unknown_weights", "unknown weights set 'best'; pass --weights one of auto, ema, raw"),
+        ("unknown_model", "unknown model 'vit_ls_smal_patch16_dinov3'; did you mean vit_ls_small_patch16_dinov3"),
+        ("exists", "exists; pass --overwrite"),
+        ("no_variant", "match no registered variant; the nearest is vit_ls_small_patch16_dinov3: cls_token is"),
+        ("missing", "absent.pth does not exist"),
+        ("nan_strict", "LayerScale gammas are NaN or Inf in blocks 0.attn"),
+        ("meta_suffix", "--to meta writes one file: name it .pth or .safetensors"),
+        ("text_file", "notes.txt"),
+        ("truncated", "truncated.safetensors"),
+        ("dinov2", "this is a DINOv2 checkpoint: it has a learned position embedding (pos_embed [1, 17, 64])"),
+        ("hf_dinov2", "this is a DINOv2 checkpoint: it has a learned position embedding (embeddings.position_embed"),
+        ("deit3", "this is a DeiT-III checkpoint: it has a learned position embedding (pos_embed [1, 16, 64])"),
+        ("cait", "this is a CaiT checkpoint"),
+    ],
+)
+def test_bad_input_is_one_error_line_and_leaves_nothing(runs: dict[str, Run], files: Path, case, expected) -> None:
+    run = runs[case]
+    assert run.returncode == 2, run.stdout
+    assert run.stdout == ""
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("timm-ls: error: "), run.stderr
+    assert expected in run.stderr
+    assert "Traceback" not in run.stderr
+    leftovers = [p.name for p in files.iterdir() if p.name.startswith((".x", "x")) or ".tmp-" in p.name]
+    assert leftovers == []
+    assert (files / "exists" / "keep.txt").read_text() == "mine"
+
+
+def test_nan_gammas_are_a_warning_without_strict(runs: dict[str, Run]) -> None:
+    run = runs["nan"]
+    assert run.returncode == 0, run.stderr
+    assert (
+        run.stderr == "timm-ls: warning: LayerScale gammas are NaN or Inf in blocks 0.attn: the checkpoint is broken\n"
+    )
+
+
+def test_debug_shows_the_traceback(files: Path) -> None:
+    args = ["convert", str(files / "small.safetensors"), str(files / "exists"), "--to", "native", *SMALL]
+    with pytest.raises(CheckpointError, match="or choose another path"):
+        main(["--debug", *args])

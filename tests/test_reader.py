@@ -1,0 +1,478 @@
+"""The lazy reader: every source it reads, which weights set each gives, and that it reads one key at a time."""
+
+import argparse
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path, PureWindowsPath
+
+import pytest
+import timm
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import TINY, move_off_init_
+from huggingface_hub import save_torch_state_dict
+from safetensors.torch import save_file
+from timm.models import save_for_hf
+from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+from timm_layerscale.conversion import CheckpointError
+from timm_layerscale.conversion.dcp import read_metadata
+from timm_layerscale.conversion.reader import TRAINING_STATE, TensorInfo, open_checkpoint
+
+NAME = "vit_ls_small_patch16_dinov3"
+ITERATION = 199
+
+
+def backbone(value: float) -> dict[str, torch.Tensor]:
+    return {"cls_token": torch.full((1, 1, 8), value), "blocks.0.ls1.gamma": torch.full((8,), value)}
+
+
+def prefixed(prefix: str, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {prefix + k: v for k, v in sd.items()}
+
+
+def equal(a: dict[str, torch.Tensor], b) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(v, b[k]) for k, v in a.items())
+
+
+@pytest.mark.parametrize(
+    ("weights", "taken", "value"),
+    [("auto", "state_dict_ema", 2.0), ("ema", "state_dict_ema", 2.0), ("raw", "state_dict", 1.0)],
+)
+def test_timm_training_checkpoint_sets(tmp_path, weights, taken, value):
+    path = tmp_path / "last.pth.tar"
+    optimizer = {"state": {0: {"exp_avg": torch.zeros(8)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    args = argparse.Namespace(model="vit_ls_small_patch16_dinov3", lr=0.1)
+    checkpoint = {"epoch": 3, "args": args, "optimizer": optimizer}
+    torch.save({**checkpoint, "state_dict": backbone(1.0), "state_dict_ema": backbone(2.0)}, path)
+    with open_checkpoint(path, weights) as ckpt:
+        assert (ckpt.kind, ckpt.weights) == ("torch file", taken)
+        assert sorted(ckpt) == ["blocks.0.ls1.gamma", "cls_token"]
+        assert ckpt.info("cls_token").shape == (1, 1, 8)
+        assert torch.equal(ckpt["blocks.0.ls1.gamma"], torch.full((8,), value))
+
+
+@pytest.mark.parametrize(("weights", "taken", "value"), [("auto", "model_ema", 3.0), ("raw", "student", 1.0)])
+def test_meta_training_sets_flat_in_safetensors(tmp_path, weights, taken, value):
+    heads = {"dino_head.mlp.0.weight": torch.zeros(4, 8)}
+    flat = {
+        **prefixed("student.backbone.", {**backbone(1.0), **heads}),
+        **prefixed("teacher.backbone.", backbone(2.0)),
+        **prefixed("model_ema.backbone.", backbone(3.0)),
+        "dino_loss.center": torch.zeros(1, 4),
+    }
+    save_file(flat, tmp_path / "ckpt.safetensors")
+    with open_checkpoint(tmp_path / "ckpt.safetensors", weights) as ckpt:
+        assert (ckpt.kind, ckpt.weights) == ("safetensors file", taken)
+        assert sorted(ckpt) == ["blocks.0.ls1.gamma", "cls_token"]
+        assert torch.equal(ckpt["cls_token"], torch.full((1, 1, 8), value))
+
+
+def test_plain_state_dict_keeps_keys_that_look_like_set_names(tmp_path):
+    """transformers files put blocks under `model.layer.`: that is not a `model` weights set."""
+    sd = {"embeddings.cls_token": torch.zeros(1, 1, 8), "model.layer.0.norm1.weight": torch.ones(8)}
+    save_file(sd, tmp_path / "hf.safetensors")
+    with open_checkpoint(tmp_path / "hf.safetensors") as ckpt:
+        assert ckpt.weights == "the only weights set"
+        assert sorted(ckpt) == sorted(sd)
+
+
+@pytest.mark.parametrize("wrappers", ["module._orig_mod.", "_orig_mod.module.backbone."])
+def test_ddp_and_compile_prefixes_are_stripped(wrappers):
+    ckpt = open_checkpoint(prefixed(wrappers, backbone(1.0)))
+    assert sorted(ckpt) == ["blocks.0.ls1.gamma", "cls_token"]
+
+
+def test_nothing_to_read_in_memory():
+    with pytest.raises(CheckpointError, match=r"^the checkpoint holds no tensors \(got dict\); pass a weights"):
+        open_checkpoint({})
+
+
+def test_a_set_that_holds_sets_is_looked_into():
+    """`{"model": {"teacher.backbone.*", "student.backbone.*"}}`: the choice is among the inner sets."""
+    tree = {"model": {**prefixed("teacher.backbone.", backbone(2.0)), **prefixed("student.", backbone(1.0))}}
+    assert open_checkpoint({**tree, "iteration": 7}).weights == "teacher"
+    assert open_checkpoint(tree, "ema").weights == "teacher"
+    assert torch.equal(open_checkpoint(tree, "raw")["cls_token"], torch.full((1, 1, 8), 1.0))
+    only_teacher = {"model": {**prefixed("teacher.backbone.", backbone(2.0)), "dino_loss.center": torch.zeros(2)}}
+    assert open_checkpoint(only_teacher).weights == "teacher"
+    with pytest.raises(CheckpointError, match="holds only EMA or teacher weights; pass --weights ema"):
+        open_checkpoint(only_teacher, "raw")
+
+
+@pytest.mark.parametrize("name", TRAINING_STATE)
+def test_training_state_beside_a_set_is_not_weights(name):
+    """Optimizer moments and the like sit beside the weights sets; they never make the file a plain set."""
+    ckpt = open_checkpoint({name: {"state.0.exp_avg": torch.zeros(8)}, "state_dict": backbone(1.0)})
+    assert (ckpt.weights, sorted(ckpt)) == ("state_dict", ["blocks.0.ls1.gamma", "cls_token"])
+
+
+def test_a_wrapper_is_stripped_when_it_holds_at_least_half_the_keys():
+    half = {**prefixed("backbone.", backbone(1.0)), "neck.a": torch.zeros(1), "neck.b": torch.zeros(1)}
+    assert sorted(open_checkpoint(half)) == ["blocks.0.ls1.gamma", "cls_token"]
+    less = {**half, "neck.c": torch.zeros(1), "neck.d": torch.zeros(1)}  # a detector: the backbone is one part
+    assert sorted(open_checkpoint(less)) == sorted(less)
+
+
+def test_ema_requested_but_absent_is_an_error(tmp_path):
+    save_file(backbone(1.0), tmp_path / "plain.safetensors")
+    with pytest.raises(CheckpointError, match="holds no EMA or teacher weights; pass --weights raw"):
+        open_checkpoint(tmp_path / "plain.safetensors", "ema")
+    torch.save({"model": backbone(1.0), "epoch": 2}, tmp_path / "model.pth")
+    with pytest.raises(CheckpointError, match="holds no EMA or teacher weights; pass --weights raw"):
+        open_checkpoint(tmp_path / "model.pth", "ema")
+    with pytest.raises(CheckpointError, match="weights must be one of auto, ema, raw; got 'best'"):
+        open_checkpoint(tmp_path / "model.pth", "best")
+
+
+# Files torch and the Hub write.
+
+
+def tiny_backbone(seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return move_off_init_(timm.create_model(NAME, **TINY), seed).state_dict()
+
+
+def test_legacy_torch_file_is_read_without_mmap(tmp_path):
+    sd = tiny_backbone()
+    torch.save({"model": sd}, tmp_path / "old.pth", _use_new_zipfile_serialization=False)
+    with open_checkpoint(tmp_path / "old.pth") as ckpt:
+        assert (ckpt.kind, ckpt.weights) == ("legacy torch file", "model")
+        assert equal(sd, ckpt)
+
+
+def test_meta_eval_teacher_checkpoint(tmp_path):
+    """`eval/<iteration>/teacher_checkpoint.pth` holds `{"teacher": EMA backbone and heads}`; its folder reads too."""
+    sd = tiny_backbone()
+    eval_dir = tmp_path / "eval" / f"training_{ITERATION}"
+    eval_dir.mkdir(parents=True)
+    torch.save({"teacher": meta_arch(sd)}, eval_dir / "teacher_checkpoint.pth")
+    for source in (eval_dir / "teacher_checkpoint.pth", eval_dir):
+        with open_checkpoint(source, "ema") as ckpt:
+            assert (ckpt.kind, ckpt.weights, ckpt.files) == (
+                "torch file",
+                "teacher",
+                (eval_dir / "teacher_checkpoint.pth",),
+            )
+            assert equal(sd, ckpt)
+    with pytest.raises(CheckpointError, match="holds only EMA or teacher weights"):
+        open_checkpoint(eval_dir, "raw")
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "bin"])
+def test_sharded_checkpoint_as_index_or_folder(tmp_path, safe):
+    sd = tiny_backbone()
+    save_torch_state_dict(sd, tmp_path, max_shard_size=40_000, safe_serialization=safe)
+    index = tmp_path / ("model.safetensors.index.json" if safe else "pytorch_model.bin.index.json")
+    shards = sorted(tmp_path.glob("model-*.safetensors" if safe else "pytorch_model-*.bin"))
+    assert len(shards) > 2
+    for source in (index, tmp_path):
+        with open_checkpoint(source) as ckpt:
+            assert ckpt.kind == ("sharded safetensors" if safe else "sharded torch files")
+            assert ckpt.files == (index, *shards)
+            assert equal(sd, ckpt)
+
+
+def test_a_folder_with_one_index_of_any_name(tmp_path):
+    sd = tiny_backbone()
+    save_torch_state_dict(sd, tmp_path, max_shard_size=40_000)
+    (tmp_path / "model.safetensors.index.json").rename(tmp_path / "weights.safetensors.index.json")
+    with open_checkpoint(tmp_path) as ckpt:
+        assert (ckpt.kind, ckpt.files[0]) == ("sharded safetensors", tmp_path / "weights.safetensors.index.json")
+        assert equal(sd, ckpt)
+
+
+def test_transformers_hub_folder(tmp_path):
+    config = DINOv3ViTConfig(
+        hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256, num_register_tokens=4
+    )
+    model = DINOv3ViTModel(config)
+    model.save_pretrained(tmp_path)
+    with open_checkpoint(tmp_path) as ckpt:
+        assert (ckpt.kind, ckpt.weights, ckpt.files) == (
+            "Hub folder",
+            "the only weights set",
+            (tmp_path / "model.safetensors",),
+        )
+        assert ckpt.hub_config["model_type"] == "dinov3_vit" and ckpt.hub_config["hidden_size"] == 64
+        # transformers 5 saves its `model.layer.N` blocks as `layer.N`, the Hub files' spelling
+        assert equal({k.removeprefix("model."): v for k, v in model.state_dict().items()}, ckpt)
+
+
+def test_timm_hub_folder_and_bin(tmp_path):
+    model = timm.create_model("vit_small_patch16_dinov3", embed_dim=64, num_heads=4, depth=2)
+    save_for_hf(model, tmp_path / "safetensors", safe_serialization=True)
+    save_for_hf(model, tmp_path / "bin", safe_serialization=False)
+    for folder, weights in (("safetensors", "model.safetensors"), ("bin", "pytorch_model.bin")):
+        with open_checkpoint(tmp_path / folder) as ckpt:
+            assert (ckpt.kind, ckpt.files) == ("Hub folder", (tmp_path / folder / weights,))
+            assert ckpt.hub_config["architecture"] == "vit_small_patch16_dinov3"
+            assert equal(model.state_dict(), ckpt)
+
+
+# torch.distributed.checkpoint folders as Meta's DINOv3 training writes them.
+
+
+def meta_arch(backbone_sd: dict[str, torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """One of SSLMetaArch's ModuleDicts: the backbone and the DINO and iBOT heads."""
+    g = torch.Generator().manual_seed(seed)
+    heads = {
+        f"{head}.{part}": torch.randn(shape, generator=g)
+        for head in ("dino_head", "ibot_head")
+        for part, shape in (("mlp.0.weight", (32, 64)), ("mlp.0.bias", (32,)), ("last_layer.weight", (16, 32)))
+    }
+    return {**prefixed("backbone.", backbone_sd), **heads}
+
+
+def meta_training_state(student, teacher, ema=None) -> dict:
+    """What Meta's `save_checkpoint` passes to dcp.save: iteration, the model's state dict and the optimizer's.
+
+    Without distillation `model_ema` is the teacher module itself, so its keys repeat the teacher's values.
+    """
+    model = {
+        **prefixed("student.", meta_arch(student, 1)),
+        **prefixed("teacher.", meta_arch(teacher, 2)),
+        **prefixed("model_ema.", meta_arch(teacher if ema is None else ema, 2)),
+        "dino_loss.center": torch.randn(1, 16),
+        "ibot_patch_loss.center": torch.randn(1, 1, 16),
+    }
+    params = [k for k in model if k.startswith("student.")]
+    optimizer = {
+        "state": {k: {"step": torch.tensor(float(ITERATION)), "exp_avg": torch.randn(model[k].shape)} for k in params},
+        "param_groups": [{"lr": 1e-3, "weight_decay": 0.04, "params": params}],
+    }
+    return {"iteration": ITERATION, "model": model, "optimizer": optimizer}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def meta_run(tmp_path_factory):
+    """A DINOv3 training output folder saved on two ranks: `ckpt/199/` and `eval/training_199/`."""
+    root = tmp_path_factory.mktemp("meta_run")
+    student, teacher = tiny_backbone(1), tiny_backbone(2)
+    state = meta_training_state(student, teacher)
+    torch.save(state, root / "state.pt")
+    torch.save({"iteration": f"training_{ITERATION}", "model": meta_arch(teacher, 2)}, root / "eval.pt")
+    ckpt, sharded = (
+        root / "ckpt" / str(ITERATION),
+        root / "eval" / f"training_{ITERATION}" / "sharded_teacher_checkpoint",
+    )
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    env["OMP_NUM_THREADS"] = "1"
+    script = [sys.executable, str(Path(__file__).with_name("dcp_ranks.py"))]
+    args = [str(root / "state.pt"), str(ckpt), str(root / "eval.pt"), str(sharded)]
+    ranks = [subprocess.Popen([*script, *args], env={**env, "RANK": str(r)}) for r in range(2)]
+    assert [r.wait(timeout=300) for r in ranks] == [0, 0]
+    return dict(root=root, ckpt=ckpt, sharded=sharded, student=student, teacher=teacher, state=state)
+
+
+@pytest.mark.parametrize(
+    ("weights", "taken", "values"),
+    [("auto", "model_ema", "teacher"), ("ema", "model_ema", "teacher"), ("raw", "student", "student")],
+)
+def test_meta_dcp_training_checkpoint(meta_run, weights, taken, values):
+    assert sorted(p.name for p in meta_run["ckpt"].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    with open_checkpoint(meta_run["ckpt"], weights) as ckpt:
+        assert (ckpt.kind, ckpt.weights, ckpt.files) == ("distributed checkpoint", taken, (meta_run["ckpt"],))
+        expected = meta_run[values]
+        assert all(ckpt.info(k) == TensorInfo(v.shape, v.dtype) for k, v in expected.items())
+        assert ckpt.nbytes == sum(v.nbytes for v in expected.values())
+        assert equal(expected, ckpt)  # every tensor assembled from both ranks' chunks
+
+
+def test_meta_dcp_eval_teacher(meta_run):
+    """`eval/<iteration>/sharded_teacher_checkpoint/` holds the EMA teacher under `model.`; so does its folder."""
+    for source in (meta_run["sharded"], meta_run["sharded"].parent):
+        with open_checkpoint(source, "ema") as ckpt:
+            assert (ckpt.kind, ckpt.weights) == ("distributed checkpoint", "teacher")
+            assert equal(meta_run["teacher"], ckpt)
+    with pytest.raises(CheckpointError, match="holds only EMA or teacher weights"):
+        open_checkpoint(meta_run["sharded"], "raw")
+
+
+def test_meta_run_folders_name_what_to_pass(meta_run):
+    with pytest.raises(CheckpointError, match=f"pass one of them, e.g. {meta_run['ckpt']}$"):
+        open_checkpoint(meta_run["ckpt"].parent)
+    with pytest.raises(CheckpointError, match=r"for a DINOv3 training run pass .*/ckpt/<iteration> or"):
+        open_checkpoint(meta_run["root"])
+
+
+def test_distillation_takes_the_students_ema(tmp_path):
+    """With distillation `teacher` is the big model distilled from: auto takes `model_ema`, the student's EMA."""
+    student, teacher, ema = tiny_backbone(1), tiny_backbone(2), tiny_backbone(3)
+    dcp.save(meta_training_state(student, teacher, ema), checkpoint_id=tmp_path, no_dist=True)
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.weights == "model_ema"
+        assert equal(ema, ckpt)
+
+
+def test_dcp_of_a_plain_model_is_its_only_set(tmp_path):
+    """A DCP folder saved from `{"model": model.state_dict()}`, as Meta's checkpointer does for a plain model."""
+    sd = tiny_backbone()
+    dcp.save({"iteration": 3, "model": sd}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    with open_checkpoint(tmp_path / "ckpt", "raw") as ckpt:
+        assert ckpt.weights == "model"
+        assert equal(sd, ckpt)
+
+
+def stored_items(folder: Path):
+    """(key, file, offset, length) of every item DCP stored, tensors and bytes alike."""
+    md = read_metadata(folder)
+    return [(i.fqn, s.relative_path, s.offset, s.length) for i, s in md.storage_data.items()]
+
+
+def test_dcp_reads_only_the_requested_key(meta_run, tmp_path):
+    """Every stored item but one key's chunks is overwritten: that key still reads, all listing works, others fail."""
+    folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
+    wanted = "model.model_ema.backbone.blocks.1.ls2.gamma"
+    for fqn, name, offset, length in stored_items(folder):
+        if fqn != wanted:
+            with (folder / name).open("r+b") as f:
+                f.seek(offset)
+                f.write(b"\0" * length)
+    with open_checkpoint(folder) as ckpt:
+        assert ckpt.nbytes == sum(v.nbytes for v in meta_run["teacher"].values())
+        assert torch.equal(ckpt["blocks.1.ls2.gamma"], meta_run["teacher"]["blocks.1.ls2.gamma"])
+        with pytest.raises(
+            CheckpointError,
+            match=r"ckpt is a truncated or corrupt distributed checkpoint: its tensor model\.model_ema\.backbone\."
+            r"cls_token failed \(Unsupported operand 0\); copy the whole folder again$",
+        ):
+            ckpt["cls_token"]
+
+
+class Exploit:
+    """Unpickling this creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_dcp_never_unpickles_bytes_items(meta_run, tmp_path):
+    """The iteration and optimizer param groups are pickles DCP loads with weights_only=False: never requested."""
+    folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
+    marker = tmp_path / "marker"
+    payload = pickle.dumps(Exploit(marker), protocol=2)
+    bytes_items = [item for item in stored_items(folder) if not item[0].startswith(("model.", "optimizer.state."))]
+    assert {item[0] for item in bytes_items} >= {"iteration", "optimizer.param_groups.0.params"}
+    for _, name, offset, length in bytes_items:
+        with (folder / name).open("r+b") as f:
+            f.seek(offset)
+            f.write(payload.ljust(length, b"\0"))
+    for weights in ("auto", "raw"):
+        with open_checkpoint(folder, weights) as ckpt:
+            assert len([ckpt[k] for k in ckpt]) == len(meta_run["teacher"])
+    assert not marker.exists()
+    # The planted items are live: DCP's own loader, asked for the iteration, runs them.
+    with pytest.raises(BaseException, match="magic number"):
+        dcp.load({"iteration": 0}, checkpoint_id=folder, no_dist=True)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        lambda marker: pickle.dumps(Exploit(marker)),
+        lambda marker: pickle.dumps(Exploit(marker), protocol=0),
+        lambda marker: b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.",
+        lambda marker: b"ctorch\nsave\n(I1\nV" + str(marker).encode() + b"\ntR.",
+        lambda marker: b"P" + str(marker).encode() + b"\n.",
+    ],
+    ids=["open", "open-protocol-0", "os.system", "torch.save", "persistent-id"],
+)
+def test_malicious_dcp_metadata_runs_nothing(meta_run, tmp_path, payload):
+    folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
+    marker = tmp_path / "marker"
+    (folder / ".metadata").write_bytes(payload(marker))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(folder)
+    message = str(info.value)
+    assert message.startswith(f"refused to read {folder / '.metadata'}: it asks for ")
+    assert message.endswith("could run code (nothing was run); use a checkpoint you trust")
+    assert not marker.exists()
+
+
+def test_damaged_dcp_folders(meta_run, tmp_path):
+    folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
+    metadata = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(metadata[: len(metadata) // 2])
+    with pytest.raises(CheckpointError, match=r"\.metadata is not readable distributed checkpoint metadata \("):
+        open_checkpoint(folder)
+    (folder / ".metadata").write_bytes(pickle.dumps({"model.cls_token": torch.Size([1])}))
+    with pytest.raises(CheckpointError, match="holds a dict, not distributed checkpoint metadata"):
+        open_checkpoint(folder)
+    (folder / ".metadata").write_bytes(metadata)
+    (folder / "__1_0.distcp").rename(folder / "elsewhere")
+    with pytest.raises(
+        CheckpointError, match=r"lacks __1_0\.distcp, which its \.metadata lists; copy the whole folder"
+    ):
+        open_checkpoint(folder)
+    (folder / "elsewhere").rename(folder / "__1_0.distcp")
+    (folder / ".metadata").write_bytes(b"ctorch.serialization\n_get_layout\n(Vload\ntR.")
+    with pytest.raises(CheckpointError, match=r"metadata \(UnpicklingError: unknown tensor layout 'load'\)"):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])  # saved on Windows: its path pickles as a Windows path
+    md.storage_meta.checkpoint_id = PureWindowsPath("C:/run/ckpt/199")
+    for windows in (b"PureWindowsPath", b"WindowsPath"):
+        (folder / ".metadata").write_bytes(pickle.dumps(md, protocol=2).replace(b"PureWindowsPath", windows))
+        assert open_checkpoint(folder).weights == "model_ema"
+    md = read_metadata(meta_run["ckpt"])
+    md.storage_data = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"\.metadata lists no stored items; the metadata is corrupt"):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../secrets"
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"in '../../secrets', outside the folder"):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    md.state_dict_metadata["model.student.backbone.blocks.0.attn.qkv.weight"].chunks.pop()  # rank 1's half
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(
+        CheckpointError, match=r"not cover all of model\.student\.backbone\.blocks\.0\.attn\.qkv\.weight \[192, 64\]"
+    ):
+        open_checkpoint(folder)
+
+
+# Lazy reads: tensors are views of the mapped file, not copies.
+
+
+def test_torch_files_are_memory_mapped(tmp_path):
+    torch.save(backbone(1.0), tmp_path / "plain.pth")
+    with open_checkpoint(tmp_path / "plain.pth") as ckpt:
+        address = ckpt["cls_token"].data_ptr()
+        assert any(address in r for r in mapped_ranges(tmp_path / "plain.pth"))  # a view of the file's pages
+
+
+def test_safetensors_reads_are_views_of_the_mapped_file(tmp_path):
+    sd = tiny_backbone()
+    save_file(sd, tmp_path / "model.safetensors")
+    with open_checkpoint(tmp_path / "model.safetensors") as ckpt:
+        tensor = ckpt["blocks.1.mlp.fc1.weight"]
+        assert torch.equal(tensor, sd["blocks.1.mlp.fc1.weight"])
+        assert any(tensor.data_ptr() in r for r in mapped_ranges(tmp_path / "model.safetensors"))
+
+
+def mapped_ranges(path) -> list[range]:
+    """Address ranges at which this process maps `path`."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *_, name = line.split(maxsplit=5)
+        if name.strip() == str(path):
+            start, end = (int(a, 16) for a in span.split("-"))
+            ranges.append(range(start, end))
+    return ranges

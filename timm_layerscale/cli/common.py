@@ -1,0 +1,114 @@
+"""What the commands share: one-line errors, model building from a name and weights, tables."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import huggingface_hub
+import timm
+from huggingface_hub import constants
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+from torch import nn
+
+from ..variants import VARIANTS, Variant
+
+HUB_FILE = "model.safetensors"
+
+
+class CliError(Exception):
+    """Bad input: printed as one `timm-ls: error:` line."""
+
+
+def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise CliError(f"--model-kwargs: got {item!r}; write each one as key=value, e.g. depth=2")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return kwargs
+
+
+def resolve_variant(name: str) -> tuple[Variant, str | None]:
+    base, _, tag = name.partition(".")
+    if base not in VARIANTS:
+        close = difflib.get_close_matches(base, VARIANTS, n=3, cutoff=0.5) or sorted(VARIANTS)
+        raise CliError(f"unknown variant {base!r}; did you mean {', '.join(close)}? (`timm-ls list` shows all)")
+    variant = VARIANTS[base]
+    if tag and tag not in variant.tags:
+        raise CliError(f"{base} has no pretrained tag {tag!r}; its tags: {', '.join(variant.tags) or 'none'}")
+    return variant, tag or None
+
+
+@contextmanager
+def load_report() -> Iterator[list[str]]:
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: lines.append(("warning: " if r.levelno >= logging.WARNING else "") + r.getMessage())
+    logger = logging.getLogger("timm_layerscale")
+    old = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = old
+
+
+def hub_unreachable(exc: BaseException | None) -> str | None:
+    """A short reason when `exc` says the Hub could not be reached, None when it answered."""
+    chain = []
+    while exc is not None and len(chain) < 8:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    network = (LocalEntryNotFoundError, ConnectionError, TimeoutError)
+    if any(isinstance(e, HfHubHTTPError) for e in chain) or not any(
+        isinstance(e, network) or any(c.__name__ == "TransportError" for c in type(e).__mro__) for e in chain
+    ):
+        return None
+    return f"{constants.ENDPOINT}: {type(chain[-1]).__name__}: {chain[-1]}"
+
+
+def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[nn.Module, str]:
+    name = f"{variant.name}.{tag}" if tag else variant.name
+    kwargs = parse_model_kwargs(args.model_kwargs)
+    if args.checkpoint:
+        # The file is checked (what it is, whether it is whole) before timm reads it: errors are one line.
+        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=args.checkpoint), **kwargs)
+        return model, f"checkpoint {args.checkpoint}"
+    if not args.pretrained:
+        return timm.create_model(name, **kwargs), "random init (no --checkpoint or --pretrained given)"
+    tag = tag or next(iter(variant.tags), None)
+    hub_id = (variant.tags.get(tag) or {}).get("hf_hub_id") if tag else None
+    if not hub_id:
+        raise CliError(f"{variant.name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
+    repo, _, revision = hub_id.partition("@")
+    try:
+        huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo, HUB_FILE, revision=revision or None))
+        return timm.create_model(f"{variant.name}.{tag}", pretrained=True, **kwargs), f"Hub {hub_id}"
+    except Exception as exc:
+        reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(exc)
+        if reason is None:
+            raise
+    cached = huggingface_hub.try_to_load_from_cache(repo, HUB_FILE, revision=revision or None)
+    if isinstance(cached, str):
+        overlay = dict(file=cached)
+        model = timm.create_model(f"{variant.name}.{tag}", pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+        return model, f"Hub {hub_id} from the local cache (the Hub is not reachable: {reason})"
+    return timm.create_model(name, **kwargs), f"random init: the Hub is not reachable ({reason})"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])

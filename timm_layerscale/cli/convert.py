@@ -1,0 +1,75 @@
+"""`timm-ls convert SRC DST --to {native,meta,hf,timm}`: a checkpoint into another layout, tensor by tensor."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..conversion.convert import DTYPES, WEIGHTS, convert_checkpoint
+from ..conversion.reader import open_checkpoint
+from ..conversion.targets import TARGETS
+from .common import CliError, parse_model_kwargs
+
+EPILOG = """examples:
+  timm-ls convert dinov3_vitb16_pretrain.pth vitb16-timm --to timm
+  timm-ls convert ckpt/12499 vitl16-hf --to hf --model vit_ls_large_patch16_dinov3
+  timm-ls convert hf-folder model.pth --to meta --dtype bf16
+  timm-ls convert model.pth fused --to native --fuse-layerscale"""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "convert",
+        help="convert a checkpoint between Meta, transformers, timm eva and native layouts",
+        description="Convert a checkpoint into another layout, tensor by tensor, and say what the target cannot hold.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "src",
+        metavar="SRC",
+        help="a .pth/.bin/.safetensors file, a sharded index, a Hub folder or a torch.distributed.checkpoint folder",
+    )
+    parser.add_argument("dst", metavar="DST", help="a folder (native, hf, timm) or a .pth/.safetensors file (meta)")
+    targets = "; ".join(f"{t.name}: {t.description}" for t in TARGETS.values())
+    parser.add_argument("--to", required=True, metavar="{" + ",".join(TARGETS) + "}", help=targets)
+    parser.add_argument("--model", metavar="NAME[.TAG]|VARIANT.yaml", help="the variant (default: from the shapes)")
+    parser.add_argument(
+        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="override its args, e.g. depth=2"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="keep",
+        metavar="{" + ",".join(DTYPES) + "}",
+        help="cast the weights (RoPE periods keep theirs)",
+    )
+    parser.add_argument(
+        "--weights", default="auto", metavar="{" + ",".join(WEIGHTS) + "}", help="EMA/teacher or trained weights"
+    )
+    parser.add_argument("--fuse-layerscale", action="store_true", help="fold every gamma into the layer before it")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--strict", action="store_true", help="refuse NaN/Inf gammas and outputs the target changes")
+    parser.set_defaults(func=convert)
+
+
+def convert(args: argparse.Namespace) -> int:
+    if args.weights not in WEIGHTS:
+        raise CliError(f"unknown weights set {args.weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
+    with open_checkpoint(args.src, args.weights) as source:
+        result = convert_checkpoint(
+            source,
+            args.dst,
+            to=args.to,
+            model=args.model,
+            model_kwargs=parse_model_kwargs(args.model_kwargs),
+            dtype=args.dtype,
+            fuse_layerscale=args.fuse_layerscale,
+            overwrite=args.overwrite,
+            strict=args.strict,
+        )
+    for warning in result.warnings:
+        print(f"timm-ls: warning: {warning}", file=sys.stderr)
+    for line in result.report:
+        print(f"  {line}")
+    print(result.summary())
+    return 0

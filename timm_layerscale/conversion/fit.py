@@ -1,0 +1,197 @@
+"""Native keys -> the keys a model holds: drop what it cannot hold, fold or fill LayerScale, fill what the
+file lacks, and refuse anything that does not fit, all planned from shapes.
+
+Loading a checkpoint into a live model and converting a file both run this against the model's state
+dict (for a file, a model built on the meta device), so they agree on every rule and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CheckpointError
+from .layer_scale import GAMMA_KEY, LayerScalePlan, plan_layer_scale, suspicious_gammas
+from .layouts import effective_qkv_bias
+from .plan import Plan, Step
+from .reader import TensorInfo
+
+Tensor = torch.Tensor
+
+# Keys a layout may lack that the model's own fresh value fills, by key ending.
+OWN_VALUE_FILLS = {
+    "attn.qkv.bias_mask": "qkv bias masks (k masked)",
+    "rope_embed.periods": "the default RoPE periods",
+    "head.weight": "the model's fresh classifier head",
+    "head.bias": "the model's fresh classifier head",
+}
+# Keys that only some options create, and the option that creates them.
+# `{}` stands for whether the checkpoint holds the key.
+OPTION_KEYS = (("cls_norm.", "cls_norm={}"), ("mlp.w1.", "ffn_layer='swiglu'"), ("mlp.fc1.", "ffn_layer='mlp'"))
+
+
+@dataclass
+class Fitted:
+    layout: str
+    plan: Plan  # the model's keys, in its order
+    filled: list[str]
+    dropped: list[str]
+    layer_scale: LayerScalePlan
+    warnings: list[str]
+
+    def report(self, first_line: str | None = None) -> list[str]:
+        lines = [first_line] if first_line else []
+        if self.filled:
+            lines.append("filled " + ", ".join(self.filled))
+        if self.dropped:
+            lines.append("dropped " + ", ".join(self.dropped))
+        lines.append(self.layer_scale.summary())
+        return lines + [f"WARNING: {w}" for w in self.warnings]
+
+
+def fit_to_model(
+    native: Plan,
+    expected: Mapping[str, Tensor],
+    *,
+    layout: str,
+    model_name: str,
+    config=None,
+    fill_dtype: torch.dtype = torch.float32,
+    reinit_layer_scale: bool = False,
+) -> Fitted:
+    """Plans `native` (a checkpoint in native keys) into exactly `expected`'s keys and shapes, or raises.
+
+    `expected` is a model's state dict, real or on the meta device; fills that need the model's own
+    values compute them from `config` when it is on the meta device.
+    """
+    infos = {k: native.info(k) for k in native}
+    steps: dict[str, Step] = {k: Step((k,), (k,)) for k in infos}
+    dropped = []
+    for key in [k for k in infos if k not in expected]:
+        if key.startswith("local_cls_norm."):
+            dropped.append(
+                "local_cls_norm (only used in local-crop pretraining; build with local_cls_norm=True to keep it)"
+            )
+        elif key.startswith("head."):
+            dropped.append("the checkpoint's classifier head (the model has num_classes=0)")
+        elif key.endswith("attn.qkv.bias_mask") and key[: -len("_mask")] in expected and key[: -len("_mask")] in infos:
+            bias = key[: -len("_mask")]  # the model has no mask: its bias becomes the masked one
+            steps[bias] = Step((bias,), (bias, key), lambda b, m: (effective_qkv_bias(b, m),))
+        else:
+            continue
+        del steps[key]
+
+    strict = getattr(config, "strict_layer_scale", False)
+    layer_scale = plan_layer_scale(infos, expected, strict=strict, reinit=reinit_layer_scale)
+    for key in layer_scale.restarted:
+        block, branch = GAMMA_KEY.match(key).groups()
+        init_value = config.layer_init_values[int(block)][int(branch) - 1]
+        steps[key] = _constant(key, torch.full(expected[key].shape, init_value, dtype=fill_dtype))
+    for step in layer_scale.fold_steps(set(infos)):
+        for key in step.outputs:
+            steps[key] = step
+        del steps[step.inputs[-1]]
+    file_gammas = {k: native[k] for k in infos if GAMMA_KEY.match(k)}
+    warnings = suspicious_gammas(file_gammas, layer_scale.kept, getattr(config, "layer_init_values", []))
+
+    filled = []
+    for key, target in expected.items():
+        if key in steps and (key not in infos or infos[key].shape == target.shape or not key.startswith("head.")):
+            continue  # present, or misshapen: the completeness check reports that
+        fill = _fill(key, target, steps, config, fill_dtype)
+        if fill is not None:
+            steps[key], what = fill
+            if what and what not in filled:
+                filled.append(what)
+
+    plan = Plan(native, _in_model_order(steps, expected))
+    _check_complete(plan, expected, layout, model_name)
+    return Fitted(layout, plan, filled, list(dict.fromkeys(dropped)), layer_scale, warnings)
+
+
+def _fill(
+    key: str, target: Tensor, steps: Mapping[str, Step], config, dtype: torch.dtype
+) -> tuple[Step, str | None] | None:
+    """A step that makes `key` from nothing (or from `norm`), and what to report it as."""
+    shape = target.shape
+    norm_key = "norm." + key.partition(".")[2]
+    if key.endswith("attn.qkv.bias"):
+        return _constant(key, torch.zeros(shape, dtype=dtype)), "zero qkv biases"
+    if key == "mask_token":
+        return _constant(key, torch.zeros(shape, dtype=dtype)), "a zero mask_token"
+    if GAMMA_KEY.match(key):
+        return _constant(key, torch.ones(shape, dtype=dtype)), None  # the LayerScale summary reports it
+    if key.startswith("local_cls_norm.") and norm_key in steps:
+        return Step((key,), (norm_key,), lambda t: (t.clone(),)), "local_cls_norm from norm"
+    what = next((v for k, v in OWN_VALUE_FILLS.items() if key.endswith(k)), None)
+    if what is None:
+        return None
+    value = own_value(key, target, config)
+    return _constant(key, value if key.endswith("periods") else value.to(dtype)), what
+
+
+def _constant(key: str, value: Tensor) -> Step:
+    return Step((key,), (), lambda: (value,))
+
+
+def own_value(key: str, target: Tensor, config) -> Tensor:
+    """The model's own fresh value of a buffer or head; computed from `config` for a meta-device model."""
+    if target.device.type != "meta":
+        return target.detach().clone()
+    if key.endswith("attn.qkv.bias_mask"):
+        mask = torch.ones(target.shape)
+        third = target.shape[0] // 3
+        mask[third : 2 * third] = 0.0
+        return mask
+    if key.endswith("rope_embed.periods"):
+        from ..layers import RopeEmbedding
+
+        rope = RopeEmbedding(config.head_dim, base=config.rope_base, round_periods_to_bf16=config.rope_periods_bf16)
+        return rope.periods.detach().clone()
+    if key == "head.weight":
+        return torch.nn.init.trunc_normal_(torch.empty(target.shape), std=0.02)
+    return torch.zeros(target.shape)
+
+
+def _in_model_order(steps: Mapping[str, Step], expected: Mapping[str, Tensor]) -> list[Step]:
+    ordered, seen = [], set()
+    for key in [*expected, *steps]:  # the model's keys first; extras last, for the check to name
+        step = steps.get(key)
+        if step is not None and id(step) not in seen:
+            seen.add(id(step))
+            ordered.append(step)
+    return ordered
+
+
+def _option_hint(key: str, in_checkpoint: bool) -> str:
+    for fragment, option in OPTION_KEYS:
+        if fragment in key:
+            return f"the model with {option.format(in_checkpoint)} to match the checkpoint"
+    return "the variant and options the checkpoint was made for"
+
+
+def _check_complete(plan: Plan, expected: Mapping[str, Tensor], layout: str, name: str) -> None:
+    for key, target in expected.items():
+        if key not in plan:
+            raise CheckpointError(
+                f"the {layout} checkpoint lacks {key} {list(target.shape)} that {name} needs; build "
+                f"{_option_hint(key, False)}"
+            )
+        if plan.info(key).shape != target.shape:
+            raise CheckpointError(
+                f"the {layout} checkpoint does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
+                f"checkpoint but {list(target.shape)} in the model; build the variant the checkpoint was made for"
+            )
+    extra = [k for k in plan if k not in expected]
+    if extra:
+        shape = list(plan.info(extra[0]).shape)
+        raise CheckpointError(
+            f"the {layout} checkpoint has {extra[0]} {shape} that {name} does not hold"
+            f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; build {_option_hint(extra[0], True)}"
+        )
+
+
+def expected_infos(expected: Mapping[str, Tensor]) -> dict[str, TensorInfo]:
+    return {k: TensorInfo(v.shape, v.dtype) for k, v in expected.items()}

@@ -1,0 +1,409 @@
+"""One lazy reader for every checkpoint source: tensors are read one key at a time, never all at once.
+
+`open_checkpoint(source)` finds out what the source is by itself (a safetensors file, a torch zip or legacy
+file, a sharded safetensors index, a Hub-layout folder, a torch.distributed.checkpoint folder, or a state dict
+already in memory), picks one weights set of it (EMA/teacher or raw), strips the wrappers around the backbone
+(`module.`, `backbone.`, ...) and drops pretraining heads, so its keys are a backbone state dict in whatever
+layout it was saved in. Shapes and dtypes are known before any tensor is read. A source that is not a
+checkpoint, or is damaged, raises `CheckpointError` with one line naming what it is and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from . import dcp
+from .errors import CheckpointError, reason, torch_load_error
+from .sniff import PASS_WEIGHTS, sniff
+
+Weights = Literal["auto", "ema", "raw"]
+WEIGHTS_CHOICES: tuple[str, ...] = get_args(Weights)
+
+# What a source is: `LazyCheckpoint.kind`.
+KIND_SAFETENSORS = "safetensors file"
+KIND_SHARDED_SAFETENSORS = "sharded safetensors"
+KIND_SHARDED_TORCH = "sharded torch files"
+KIND_TORCH = "torch file"
+KIND_LEGACY_TORCH = "legacy torch file"
+KIND_DCP = "distributed checkpoint"
+KIND_HUB_FOLDER = "Hub folder"
+KIND_STATE_DICT = "state dict"
+# `LazyCheckpoint.weights` for a source that holds one weights set only.
+ONLY_SET = "the only weights set"
+
+# Weights sets a training checkpoint may hold, as top-level names, best first.
+EMA_SETS = ("model_ema", "teacher", "state_dict_ema")
+RAW_SETS = ("student", "state_dict", "model")
+# Other top-level names of training checkpoints: a file whose top level is only these and sets is a container.
+TRAINING_STATE = (
+    *("optimizer", "scheduler", "lr_scheduler", "scaler", "grad_scaler", "amp_scaler"),
+    *("iteration", "epoch", "args", "dataloader", "train_state"),
+)
+# Prefixes that wrap a backbone in training checkpoints, DDP and torch.compile models.
+WRAPPER_PREFIXES = ("module.", "backbone.", "_orig_mod.")
+# Keys of pretraining heads, losses, the Gram teacher and other parts no backbone holds.
+TRAINING_ONLY = re.compile(
+    r"^(dino_head|ibot_head|dino_loss|ibot_patch_loss|koleo_loss|gram_loss|gram_teacher|projectors|gram)\."
+)
+# Weights files of a Hub-layout folder (transformers and timm), best first.
+HUB_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Meta's DINOv3 training writes the EMA teacher for evaluation as one of these, inside `eval/<iteration>/`.
+META_EVAL_TEACHER = ("sharded_teacher_checkpoint", "teacher_checkpoint.pth")
+WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+class LazyCheckpoint(Mapping[str, torch.Tensor]):
+    """The tensors of one weights set of a checkpoint. `ckpt[key]` reads that tensor only.
+
+    `kind` says what the source is (`KIND_*`), `weights` which set was taken; `info(key)` gives the shape and
+    dtype without reading, `nbytes` the size of the set. `files` are the files it reads and `hub_config` the
+    parsed `config.json` of a Hub-layout folder. Tensors may be views of the mapped file: clone before
+    changing one in place. Use it as a context manager, or `close()` it, to release the files.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        kind: str,
+        weights: str,
+        infos: dict[str, TensorInfo],
+        read: Callable[[str], torch.Tensor],
+        close: Callable[[], None] = lambda: None,
+        hub_config: dict[str, Any] | None = None,
+        files: tuple[Path, ...] = (),
+    ) -> None:
+        self.path = path
+        self.kind = kind
+        self.weights = weights
+        self.hub_config = hub_config
+        self.files = files
+        self._infos = infos
+        self._read = read
+        self._close = close
+
+    def info(self, key: str) -> TensorInfo:
+        return self._infos[key]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._infos:
+            raise KeyError(key)
+        return self._read(key)
+
+    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
+        return key in self._infos
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for info in self._infos.values())
+
+    @property
+    def summary(self) -> str:
+        """What was read and which weights set, e.g. `distributed checkpoint ckpt/99 (model_ema)`."""
+        return f"{self.kind} {self.path} ({self.weights})"
+
+    def close(self) -> None:
+        self._close()
+
+    def __enter__(self) -> LazyCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class _Flat:
+    """A source's tensors under their stored keys, before a weights set is chosen."""
+
+    kind: str
+    infos: dict[str, TensorInfo]
+    read: Callable[[str], torch.Tensor]
+    files: tuple[Path, ...]
+    close: Callable[[], None] = lambda: None
+    hub_config: dict[str, Any] | None = None
+
+
+def _is_container(top: set[str]) -> bool:
+    sets = (*EMA_SETS, *RAW_SETS)
+    return bool(top & set(sets)) and all(t in sets or t in TRAINING_STATE or TRAINING_ONLY.match(t + ".") for t in top)
+
+
+def _inside(names: dict[str, str], prefix: str) -> dict[str, str]:
+    return {k[len(prefix) :]: v for k, v in names.items() if k.startswith(prefix)}
+
+
+def select_weights(keys: list[str], weights: Weights, source: str) -> tuple[str, dict[str, str]]:
+    """Picks one weights set among flat keys; returns its name and {backbone key: flat key}.
+
+    A training checkpoint nests weights sets under top-level names (`teacher.`, `state_dict_ema.`, ...);
+    anything else at the top level (`blocks.`, `embeddings.`, `module.`) makes the file one plain set. A single
+    set that holds sets itself (DCP's `model.` around Meta's `student.`/`teacher.`/`model_ema.`) is looked into.
+    """
+    if weights not in WEIGHTS_CHOICES:
+        raise CheckpointError(f"weights must be one of {', '.join(WEIGHTS_CHOICES)}; got {weights!r}")
+    names, taken = {k: k for k in keys}, ONLY_SET
+    while True:
+        names = _strip_wrappers(names)
+        top = {k.split(".", 1)[0] for k in names}
+        if not _is_container(top):
+            break
+        ema = [s for s in EMA_SETS if s in top]
+        raw = [s for s in RAW_SETS if s in top]
+        if len(ema + raw) == 1:
+            inner = _strip_wrappers(_inside(names, (ema + raw)[0] + "."))
+            if _is_container({k.split(".", 1)[0] for k in inner}):
+                names = inner
+                continue
+        if weights == "ema" and not ema:
+            raise CheckpointError(f"{source} holds no EMA or teacher weights; pass --weights raw (or auto)")
+        if weights == "raw" and not raw:
+            raise CheckpointError(f"{source} holds only EMA or teacher weights; pass --weights ema (or auto)")
+        taken = (ema if weights != "raw" and ema else raw)[0]
+        names = _inside(names, taken + ".")
+    if weights == "ema" and taken == ONLY_SET:
+        raise CheckpointError(f"{source} holds no EMA or teacher weights; pass --weights raw (or auto)")
+    return taken, {k: v for k, v in names.items() if not TRAINING_ONLY.match(k)}
+
+
+def _strip_wrappers(keys: dict[str, str]) -> dict[str, str]:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in WRAPPER_PREFIXES:
+            inside = [k for k in keys if k.startswith(prefix)]
+            if inside and len(inside) >= len(keys) // 2:
+                keys = _inside(keys, prefix)
+                changed = True
+    return keys
+
+
+def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(tree, torch.Tensor):
+        yield prefix.rstrip("."), tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            yield from _flatten(value, f"{prefix}{key}.")
+
+
+def _flat_tree(tree: Any, kind: str, source: str, files: tuple[Path, ...] = ()) -> _Flat:
+    flat = dict(_flatten(tree))
+    if not flat:
+        got = type(tree).__name__ + (
+            f" with keys {', '.join(map(str, list(tree)[:5]))}" if isinstance(tree, Mapping) and tree else ""
+        )
+        raise CheckpointError(f"{source} holds no tensors (got {got}); {PASS_WEIGHTS}")
+    infos = {k: TensorInfo(v.shape, v.dtype) for k, v in flat.items()}
+    return _Flat(kind, infos, flat.__getitem__, files)
+
+
+def _flat_safetensors(path: Path) -> _Flat:
+    try:
+        handle = safe_open(str(path), framework="pt")
+        infos = {}
+        for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+            view = handle.get_slice(key)
+            infos[key] = TensorInfo(torch.Size(view.get_shape()), _safetensors_dtype(view.get_dtype(), key, path))
+    except SafetensorError as exc:
+        raise CheckpointError(
+            f"{path} is a truncated or corrupt safetensors file ({reason(exc)}); save or download it again"
+        ) from exc
+    if not infos:
+        raise CheckpointError(f"{path} holds no tensors (an empty safetensors file); {PASS_WEIGHTS}")
+    return _Flat(KIND_SAFETENSORS, infos, handle.get_tensor, (path,))
+
+
+def _safetensors_dtype(name: str, key: str, path: Path) -> torch.dtype:
+    dtype = getattr(torch, SAFETENSORS_DTYPES.get(name, ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(
+            f"{path} stores {key} as {name}, which has no torch dtype here; save it as F32, BF16 or F16"
+        )
+    return dtype
+
+
+def _flat_torch(path: Path, legacy: bool) -> _Flat:
+    try:
+        # mmap: tensors stay in the file's pages until a conversion touches them. Legacy files cannot be mapped.
+        with torch.serialization.safe_globals([argparse.Namespace]):  # timm's train.py saves its args
+            tree = torch.load(path, map_location="cpu", mmap=not legacy, weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for refused or damaged files
+        raise torch_load_error(path, exc) from exc
+    return _flat_tree(tree, KIND_LEGACY_TORCH if legacy else KIND_TORCH, str(path), (path,))
+
+
+def _flat_dcp(folder: Path) -> _Flat:
+    metadata = dcp.read_metadata(folder)
+    items = dcp.tensor_items(metadata)
+    infos = {key: TensorInfo(*item) for key, item in items.items()}
+    read = dcp.tensor_reader(folder, metadata)
+    if folder.name == META_EVAL_TEACHER[0]:
+        # Meta saves the EMA teacher here under `model.`: name it as the teacher it is.
+        renamed = {"teacher." + k.removeprefix("model."): k for k in infos}
+        return _Flat(KIND_DCP, {k: infos[v] for k, v in renamed.items()}, lambda k: read(renamed[k]), (folder,))
+    return _Flat(KIND_DCP, infos, read, (folder,))
+
+
+def _flat_index(index: Path) -> _Flat:
+    try:
+        data = json.loads(index.read_text())
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{index} is not a valid JSON index ({reason(exc)}); download it again") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no weight_map of keys to shard files; pass a sharded checkpoint's index")
+    shards: dict[str, _Flat] = {}
+    for name in dict.fromkeys(weight_map.values()):
+        if not isinstance(name, str) or ".." in Path(name).parts or Path(name).is_absolute():
+            raise CheckpointError(f"{index} names shard {name!r} outside its folder; the index is corrupt")
+        shard = index.parent / name
+        if not shard.is_file():
+            raise CheckpointError(f"{index} names shard {name}, which is missing; download every shard it lists")
+        shards[name] = _open_file(shard)
+    infos = {}
+    for key, name in weight_map.items():
+        if key not in shards[name].infos:
+            raise CheckpointError(
+                f"{index} puts {key} in {name}, which does not hold it; the index and shards do not match: "
+                f"download them again"
+            )
+        infos[key] = shards[name].infos[key]
+
+    def close() -> None:
+        for shard in shards.values():
+            shard.close()
+
+    kinds = {shard.kind for shard in shards.values()}
+    kind = KIND_SHARDED_SAFETENSORS if kinds == {KIND_SAFETENSORS} else KIND_SHARDED_TORCH
+    files = (index, *(index.parent / name for name in shards))
+    return _Flat(kind, infos, lambda k: shards[weight_map[k]].read(k), files, close)
+
+
+def _open_file(path: Path) -> _Flat:
+    if path.name.endswith(".index.json"):
+        return _flat_index(path)
+    found = sniff(path)
+    if found == "safetensors":
+        return _flat_safetensors(path)
+    return _flat_torch(path, legacy=found == "legacy torch")
+
+
+def _open_folder(folder: Path) -> _Flat:
+    if (folder / dcp.METADATA_FILE).is_file():
+        return _flat_dcp(folder)
+    weights = next((folder / name for name in HUB_WEIGHTS if (folder / name).is_file()), None)
+    config_path = folder / "config.json"
+    if weights is not None:
+        flat = _open_file(weights)
+        if config_path.is_file():
+            try:
+                flat.hub_config = json.loads(config_path.read_text())
+            except (ValueError, OSError) as exc:
+                raise CheckpointError(f"{config_path} is not valid JSON ({reason(exc)}); download it again") from exc
+            if not isinstance(flat.hub_config, dict):
+                raise CheckpointError(f"{config_path} is not a model config (a JSON object); download it again")
+            flat.kind = KIND_HUB_FOLDER
+        return flat
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if len(indexes) == 1:
+        return _flat_index(indexes[0])
+    for name in META_EVAL_TEACHER:
+        if (folder / name).exists():
+            return _open_path(folder / name)
+    hint = _folder_hint(folder)
+    raise CheckpointError(
+        f"{folder} is a folder with no checkpoint in it (no {dcp.METADATA_FILE}, {', '.join(HUB_WEIGHTS[::2])} or "
+        f"*.safetensors.index.json){hint}"
+    )
+
+
+def _folder_hint(folder: Path) -> str:
+    iterations = sorted((p for p in folder.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    if iterations:
+        return f"; it holds one checkpoint per iteration: pass one of them, e.g. {iterations[-1]}"
+    if (folder / "ckpt").is_dir() or (folder / "eval").is_dir():
+        return f"; for a DINOv3 training run pass {folder}/ckpt/<iteration> or {folder}/eval/<iteration>"
+    files = sorted(p.name for p in folder.iterdir() if p.suffix in WEIGHTS_SUFFIXES)
+    if len(files) == 1:
+        return f"; pass the file {folder / files[0]}"
+    return f"; {PASS_WEIGHTS}"
+
+
+def _open_path(path: Path) -> _Flat:
+    if path.is_dir():
+        return _open_folder(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; {PASS_WEIGHTS}")
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file (a device or pipe?); {PASS_WEIGHTS}")
+    return _open_file(path)
+
+
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def open_checkpoint(source: str | Path | Mapping[str, Any], weights: Weights = "auto") -> LazyCheckpoint:
+    """Opens a checkpoint lazily and picks its weights set (`auto`: EMA/teacher where there is one).
+
+    Sources: a `.safetensors` file, a torch file (`.pth`, `.bin`, `.pt`, timm's `.pth.tar`, Meta's
+    `teacher_checkpoint.pth`, legacy non-zip files), a sharded index (`*.index.json`), a folder (Hub layout with
+    `config.json`, sharded safetensors, torch.distributed.checkpoint, Meta's `eval/<iteration>/`), or an
+    already loaded (possibly nested) state dict.
+    """
+    if isinstance(source, Mapping):
+        flat = _flat_tree(source, KIND_STATE_DICT, "the checkpoint")
+        path = Path("the checkpoint")
+    else:
+        path = Path(source)
+        flat = _open_path(path)
+    try:
+        taken, keys = select_weights(list(flat.infos), weights, str(path))
+    except CheckpointError:
+        flat.close()
+        raise
+    infos = {k: flat.infos[f] for k, f in keys.items()}
+    return LazyCheckpoint(
+        path, flat.kind, taken, infos, lambda k: flat.read(keys[k]), flat.close, flat.hub_config, flat.files
+    )
