@@ -209,6 +209,17 @@ def test_grad_checkpointing_gives_same_outputs_and_grads(images):
     assert all(torch.allclose(p.grad, grads[n], atol=1e-6) for n, p in model.named_parameters() if n in grads)
 
 
+@pytest.mark.parametrize("grad_checkpointing, runs_per_block", [(False, 1), (True, 2)])
+def test_grad_checkpointing_reruns_each_block_in_the_backward(images, grad_checkpointing, runs_per_block):
+    model = tiny().train()
+    model.set_grad_checkpointing(grad_checkpointing)
+    runs = []
+    for block in model.blocks:  # a pre-hook: the recomputation stops once it has what the backward needs
+        block.register_forward_pre_hook(lambda module, args: runs.append(module))
+    model(images).sum().backward()
+    assert [runs.count(block) for block in model.blocks] == [runs_per_block] * len(model.blocks)
+
+
 def test_drop_path_kinds_in_train_mode(images):
     batch = torch.randn(8, 3, 32, 32)
     drop_path = tiny(drop_path_rate=0.5)
