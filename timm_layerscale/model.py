@@ -50,6 +50,8 @@ class VisionTransformerLS(nn.Module):
     the parameters at construction (`device="meta"` allocates nothing).
     """
 
+    __jit_unused_properties__ = ["_model_args"]  # timm's bookkeeping, never read by the forward
+
     def __init__(
         self,
         config: VitLsConfig | None = None,
