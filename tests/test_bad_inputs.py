@@ -102,6 +102,11 @@ def make_index(folder: Path, shards: dict[str, str], saved: dict[str, dict[str, 
     return folder / "model.safetensors.index.json"
 
 
+def header_only(data: bytes) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file, without its tensors."""
+    return data[: 8 + int.from_bytes(data[:8], "little")]
+
+
 def folder_with(folder: Path, files: dict[str, bytes]) -> Path:
     folder.mkdir()
     for name, content in files.items():
@@ -122,6 +127,11 @@ CASES: list[tuple[str, Callable[[Path], Path], str]] = [
     (
         "safetensors cut in the header",
         lambda d: write(d / "cut.safetensors", make_safetensors(d / "full.safetensors")[:60]),
+        "{path} is a truncated safetensors file: its header needs",
+    ),
+    (
+        "safetensors cut one byte into its header",
+        lambda d: write(d / "cut.safetensors", header_only(make_safetensors(d / "full.safetensors"))[:-1]),
         "{path} is a truncated safetensors file: its header needs",
     ),
     (

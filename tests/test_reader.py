@@ -184,6 +184,9 @@ def test_a_folder_with_one_index_of_any_name(tmp_path):
     with open_checkpoint(tmp_path) as ckpt:
         assert (ckpt.kind, ckpt.files[0]) == ("sharded safetensors", tmp_path / "weights.safetensors.index.json")
         assert equal(sd, ckpt)
+    shutil.copy(tmp_path / "weights.safetensors.index.json", tmp_path / "ema.safetensors.index.json")
+    with pytest.raises(CheckpointError, match=r"holds 2 sharded indexes \(ema\.safetensors\.index\.json, weights\."):
+        open_checkpoint(tmp_path)
 
 
 def test_transformers_hub_folder(tmp_path):
@@ -313,6 +316,16 @@ def test_distillation_takes_the_students_ema(tmp_path):
     with open_checkpoint(tmp_path) as ckpt:
         assert ckpt.weights == "model_ema"
         assert equal(ema, ckpt)
+
+
+def test_a_set_inside_a_set_is_named_by_its_path():
+    """An EMA whose wrapper keeps its model under `model.`: raw is the outer model, not the EMA's inner one."""
+    raw, ema = tiny_backbone(1), tiny_backbone(2)
+    state = {"model_ema": {"model": ema}, "model": raw, "optimizer": {"step": torch.tensor(3)}}
+    for weights, taken, values in [("auto", "model_ema.model", ema), ("raw", "model", raw)]:
+        with open_checkpoint(state, weights) as ckpt:
+            assert ckpt.weights == taken
+            assert equal(values, ckpt)
 
 
 def test_dcp_of_a_plain_model_is_its_only_set(tmp_path):
@@ -445,6 +458,12 @@ def test_damaged_dcp_folders(meta_run, tmp_path):
     with pytest.raises(
         CheckpointError, match=r"not cover all of model\.student\.backbone\.blocks\.0\.attn\.qkv\.weight \[192, 64\]"
     ):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    key = "model.student.backbone.blocks.0.attn.qkv.weight"
+    del md.storage_data[next(i for i in md.storage_data if i.fqn == key)]  # a chunk listed, its bytes not
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"not cover all of model\.student\.backbone\.blocks\.0\.attn\.qkv"):
         open_checkpoint(folder)
 
 

@@ -183,8 +183,9 @@ def select_weights(keys: list[str], weights: Weights, source: str) -> tuple[str,
             raise CheckpointError(f"{source} holds no EMA or teacher weights; pass --weights raw (or auto)")
         if weights == "raw" and not raw:
             raise CheckpointError(f"{source} holds only EMA or teacher weights; pass --weights ema (or auto)")
-        taken = (ema if weights != "raw" and ema else raw)[0]
-        names = _inside(names, taken + ".")
+        chosen = (ema if weights != "raw" and ema else raw)[0]
+        names = _inside(names, chosen + ".")
+        taken = chosen if taken == ONLY_SET else f"{taken}.{chosen}"
     if weights == "ema" and taken == ONLY_SET:
         raise CheckpointError(f"{source} holds no EMA or teacher weights; pass --weights raw (or auto)")
     return taken, {k: v for k, v in names.items() if not TRAINING_ONLY.match(k)}
@@ -331,6 +332,10 @@ def _open_folder(folder: Path) -> _Flat:
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if len(indexes) == 1:
         return _flat_index(indexes[0])
+    if indexes:
+        raise CheckpointError(
+            f"{folder} holds {len(indexes)} sharded indexes ({', '.join(i.name for i in indexes)}); pass one"
+        )
     for name in META_EVAL_TEACHER:
         if (folder / name).exists():
             return _open_path(folder / name)
