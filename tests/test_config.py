@@ -7,7 +7,7 @@ import torch
 from timm.utils.misc import ParseKwargs
 
 import timm_layerscale
-from timm_layerscale import VitLsConfig, cait_init_value, resolve_init_values
+from timm_layerscale import VisionTransformerLS, VitLsConfig, cait_init_value, resolve_init_values
 from timm_layerscale.layers import LayerScale
 
 
@@ -82,6 +82,32 @@ def test_bad_config_values(overrides, message):
 def test_unknown_config_key_is_named():
     with pytest.raises(ValueError, match=r"unknown config key\(s\) 'layerscale'; allowed: img_size"):
         timm.create_model("vit_ls_small_patch16_dinov3", layerscale=1e-6)
+
+
+def test_unknown_argument_is_a_type_error_like_every_timm_model():
+    with pytest.raises(TypeError, match=r"unknown config key\(s\) 'not_a_model_arg'") as info:
+        timm.create_model("vit_ls_small_patch16_dinov3", device="meta", not_a_model_arg=1)
+    assert isinstance(info.value, timm_layerscale.UnknownConfigKeyError)
+    assert isinstance(info.value, ValueError)  # what config errors raise, and what the CLI catches
+    with pytest.raises(TypeError):
+        VisionTransformerLS(depth=1, not_a_model_arg=1)
+    with pytest.raises(ValueError) as bad_value:
+        VisionTransformerLS(depth=0)
+    assert not isinstance(bad_value.value, TypeError)  # a bad value stays a plain ValueError
+
+
+@pytest.mark.parametrize(
+    ("img_size", "suggestion"),
+    [(200, "e.g. 192,"), (8, "e.g. 16,"), ((224, 8), "e.g. (224, 16),"), ([240, 250], "e.g. (240, 240),")],
+)
+def test_img_size_must_fit_the_patch_size_unless_padded(img_size, suggestion):
+    with pytest.raises(ValueError) as info:
+        timm.create_model("vit_ls_small_patch16_dinov3", img_size=img_size, device="meta")
+    assert str(info.value).startswith(f"img_size: got {img_size!r}; allowed: a multiple of patch_size=16 per side")
+    assert suggestion in str(info.value) and "dynamic_img_pad=True" in str(info.value)
+    padded = timm.create_model("vit_ls_small_patch16_dinov3", img_size=img_size, dynamic_img_pad=True, device="meta")
+    assert padded.config.img_size == img_size
+    assert timm.create_model("vit_ls_small_patch16_dinov3", img_size=(224, 160), patch_size=32, device="meta")
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from conftest import TINY, max_diff, move_off_init_
 from timm.models._manipulate import group_parameters
 
 from timm_layerscale import VisionTransformerLS
+from timm_layerscale.layers import RopeEmbedding, apply_rope
 
 # Meta's published parameter counts (millions), mask token and qkv biases included.
 PARAMS_M = {
@@ -90,6 +91,20 @@ def test_global_pools(pool, width, images):
         assert model.head_hidden_size == width and model.get_classifier().in_features == width
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_reset_classifier_keeps_the_model_mode(training):
+    model = tiny(num_classes=5).train(training)
+    for num_classes, pool in [(3, "avg"), (0, None), (2, None)]:
+        model.reset_classifier(num_classes, pool)
+        assert all(m.training == training for m in model.modules())
+
+
+def test_in_chans_is_an_attribute_and_sizes_the_stem():
+    model = tiny(in_chans=1)
+    assert model.in_chans == 1 and model.patch_embed.proj.in_channels == 1
+    assert model(torch.randn(1, 1, 32, 32)).shape == (1, 64)
+
+
 def test_reset_classifier_and_timm_api():
     model = tiny(num_classes=5)
     model.reset_classifier(3, "cls_avg")
@@ -135,12 +150,37 @@ def test_features_only_and_pruning(images):
     assert taken == [1] and len(full.blocks) == 2
 
 
+@torch.no_grad()
+def test_prune_norm_ends_features_at_the_tap(images):
+    model = tiny(depth=3, cls_norm=True)
+    (patches, prefix), *_ = model.forward_intermediates(
+        images, indices=[1], output_fmt="NLC", return_prefix_tokens=True, intermediates_only=True
+    )
+    assert model.prune_intermediate_layers([1], prune_norm=True) == [1] and len(model.blocks) == 2
+    features = model.forward_features(images)
+    assert torch.equal(features[:, 5:], patches) and torch.equal(features[:, :5], prefix)
+
+
 def test_non_multiple_of_patch_size_rule():
     model = tiny()
-    with pytest.raises(ValueError, match=r"input size 50x80 is not a multiple of the patch size 16: .*dynamic_img_pad"):
+    with pytest.raises(
+        ValueError,
+        match=r"input size 50x80 is not a multiple of the patch size 16: resize or crop it to 48x80, .*dynamic_img_pad",
+    ):
         model(torch.randn(1, 3, 50, 80))
     padded = tiny(dynamic_img_pad=True)
     assert padded.forward_features(torch.randn(1, 3, 50, 80)).shape == (1, 5 + 4 * 5, 64)
+
+
+@pytest.mark.parametrize("size", [(8, 8), (8, 64), (64, 15)])
+def test_input_smaller_than_a_patch_is_told_the_smallest_size(size):
+    message = f"input size {size[0]}x{size[1]} is smaller than the patch size 16: resize it to at least 16x16"
+    with pytest.raises(ValueError, match=message):
+        tiny()(torch.randn(1, 3, *size))
+    with pytest.raises(ValueError, match=message):
+        tiny().forward_intermediates(torch.randn(1, 3, *size))
+    grid = -(-size[0] // 16) * -(-size[1] // 16)
+    assert tiny(dynamic_img_pad=True).forward_features(torch.randn(1, 3, *size)).shape == (1, 5 + grid, 64)
 
 
 def test_any_image_size_without_interpolation():
@@ -172,6 +212,17 @@ def test_grad_checkpointing_gives_same_outputs_and_grads(images):
     assert all(torch.allclose(p.grad, grads[n], atol=1e-6) for n, p in model.named_parameters() if n in grads)
 
 
+@pytest.mark.parametrize("grad_checkpointing, runs_per_block", [(False, 1), (True, 2)])
+def test_grad_checkpointing_reruns_each_block_in_the_backward(images, grad_checkpointing, runs_per_block):
+    model = tiny().train()
+    model.set_grad_checkpointing(grad_checkpointing)
+    runs = []
+    for block in model.blocks:  # a pre-hook: the recomputation stops once it has what the backward needs
+        block.register_forward_pre_hook(lambda module, args: runs.append(module))
+    model(images).sum().backward()
+    assert [runs.count(block) for block in model.blocks] == [runs_per_block] * len(model.blocks)
+
+
 def test_drop_path_kinds_in_train_mode(images):
     batch = torch.randn(8, 3, 32, 32)
     drop_path = tiny(drop_path_rate=0.5)
@@ -201,12 +252,38 @@ def test_drop_path_kinds_in_train_mode(images):
     train_out.sum().backward()
 
 
-def test_rope_augmentation_only_in_training_and_per_block(images):
+@pytest.mark.parametrize(("batch", "kept"), [(4, 2), (1, 1)])
+@torch.no_grad()
+def test_sample_drop_adds_each_branch_to_a_subset_scaled_by_batch_over_kept(batch, kept):
+    block = tiny(drop_path_rate=0.5, stochastic_depth="sample_drop").blocks[0].train()
+    x = torch.randn(batch, 7, 64)
+    torch.manual_seed(9)  # at batch 4: samples {0, 2} for attention, {1, 3} for the MLP
+    out = block(x)
+    torch.manual_seed(9)
+    expected = x.clone()
+    index = torch.randperm(batch)[:kept]
+    expected[index] += batch / kept * block.ls1(block.attn(block.norm1(x[index])))
+    index = torch.randperm(batch)[:kept]
+    expected[index] += batch / kept * block.ls2(block.mlp(block.norm2(expected[index])))
+    assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_sample_drop_trains_under_autocast():
+    """Under autocast the residual stream is bf16 but a LayerScale'd branch is fp32 (fp32 gammas)."""
+    model = tiny(depth=1, drop_path_rate=0.5, stochastic_depth="sample_drop").train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.forward_features(torch.randn(4, 3, 32, 32))
+    out.float().sum().backward()
+    assert model.blocks[0].ls2.gamma.grad is not None
+
+
+@pytest.mark.parametrize("grad_checkpointing", [False, True])
+def test_rope_augmentation_only_in_training_and_per_block(images, grad_checkpointing):
     model = tiny(rope_rescale_coords=2.0)
     plain = tiny()
     with torch.no_grad():
         assert torch.equal(model.forward_features(images), plain.forward_features(images))
-    model.train()
+    model.train().set_grad_checkpointing(grad_checkpointing)
     seen = []
     for block in model.blocks:
         block.register_forward_pre_hook(lambda m, args: seen.append(args[1][0].clone()))
@@ -220,6 +297,22 @@ def test_masks_replace_patch_tokens(images):
     masks[:, 3] = True
     tokens = model.prepare_tokens(images, masks)
     assert torch.equal(tokens[:, 5 + 3], model.mask_token.expand(2, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_meta_rotate_half_computed_in_fp32(dtype):
+    sin, cos = RopeEmbedding(8, num_prefix_tokens=1, round_periods_to_bf16=False)(2, 3)
+    assert sin.shape == cos.shape == (7, 8) and not sin[0].any() and (cos[0] == 1).all()
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+    def meta(x, sin, cos):  # Meta's rope_apply on a tensor in the rope's dtype
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin[..., 4:].repeat(1, 2)
+
+    assert torch.equal(apply_rope(x, (sin, cos)), meta(x.float(), sin, cos).to(dtype))
+    assert torch.equal(apply_rope(x, (sin, cos))[0], x[0])  # prefix tokens are not rotated
+    if dtype == torch.bfloat16:  # rotating in bf16 (as the anchors do) gives other values
+        assert not torch.equal(apply_rope(x, (sin, cos)), meta(x, sin.to(dtype), cos.to(dtype)))
 
 
 def test_bf16_forward_is_close_to_fp32():

@@ -3,7 +3,7 @@
 Importing the package registers the `vit_ls_*` variants: `timm.create_model("vit_ls_base_patch16_dinov3")`.
 """
 
-from .config import VitLsConfig, cait_init_value, resolve_init_values
+from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .conversion import (
     CheckpointError,
     checkpoint_filter_fn,
@@ -22,6 +22,7 @@ __all__ = [
     "VARIANTS",
     "CheckpointError",
     "HubError",
+    "UnknownConfigKeyError",
     "VisionTransformerLS",
     "VitLsConfig",
     "cait_init_value",

@@ -24,6 +24,11 @@ BRANCHES = ("attn", "mlp")
 BranchInit = tuple[float | None, float | None]
 
 
+class UnknownConfigKeyError(TypeError, ValueError):
+    """A key that is not a config field: a `TypeError` like any unknown keyword argument to a timm model, and
+    a `ValueError` like every other config error, so callers catching either see it."""
+
+
 @dataclass
 class VitLsConfig:
     # Input and tokens
@@ -85,7 +90,7 @@ class VitLsConfig:
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> VitLsConfig:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
-            raise ValueError(
+            raise UnknownConfigKeyError(
                 f"{source}: unknown config key(s) {', '.join(map(repr, unknown))}; "
                 f"allowed: {', '.join(cls.field_names())}"
             )
@@ -135,6 +140,21 @@ class VitLsConfig:
             ("global_pool", GLOBAL_POOLS),
         ):
             _require(name, getattr(self, name), getattr(self, name) in allowed, f"one of {allowed}")
+        p = self.patch_size
+        sides = (self.img_size,) if isinstance(self.img_size, int) else tuple(self.img_size)
+        _require(
+            "img_size",
+            self.img_size,
+            self.dynamic_img_pad or all(side % p == 0 for side in sides),
+            f"a multiple of patch_size={p} per side, e.g. {_multiples_below(self.img_size, p)}, or any size "
+            f"with dynamic_img_pad=True",
+        )
+
+
+def _multiples_below(size: int | Sequence[int], multiple: int) -> int | tuple[int, ...]:
+    if isinstance(size, int):
+        return max(size // multiple, 1) * multiple
+    return tuple(max(side // multiple, 1) * multiple for side in size)
 
 
 def _is_number(value: Any) -> bool:

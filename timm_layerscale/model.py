@@ -4,15 +4,13 @@ Parameter and buffer names are Meta's, so a Meta DINOv3 state dict is this model
 other layouts are converted on load by `timm_layerscale.conversion`.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
 import torch
-from timm.layers import PatchEmbed, trunc_normal_
+from timm.layers import PatchEmbed, register_notrace_function, trunc_normal_
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
@@ -25,12 +23,34 @@ from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
+@register_notrace_function  # FX records one call: the checks need the image size as numbers
+def patch_grid(image: torch.Tensor, patch_size: int, pad: bool) -> tuple[int, int]:
+    """Patches per side of `image`, padded up when `pad`, else an error for a side that is not a multiple."""
+    height, width = image.shape[-2], image.shape[-1]
+    if pad:
+        return -(-height // patch_size), -(-width // patch_size)
+    if height < patch_size or width < patch_size:
+        raise ValueError(
+            f"input size {height}x{width} is smaller than the patch size {patch_size}: resize it to at least "
+            f"{patch_size}x{patch_size}, or build the model with dynamic_img_pad=True to pad"
+        )
+    if height % patch_size or width % patch_size:
+        raise ValueError(
+            f"input size {height}x{width} is not a multiple of the patch size {patch_size}: resize or crop it "
+            f"to {height // patch_size * patch_size}x{width // patch_size * patch_size}, or build the model "
+            f"with dynamic_img_pad=True to pad"
+        )
+    return height // patch_size, width // patch_size
+
+
 class VisionTransformerLS(nn.Module):
     """Vision Transformer with LayerScale on both residual branches of every block (DINOv3 layout).
 
     Build it from a `VitLsConfig`, keyword overrides of its fields, or both. `device` and `dtype` place
     the parameters at construction (`device="meta"` allocates nothing).
     """
+
+    __jit_unused_properties__ = ["_model_args"]  # timm's bookkeeping, never read by the forward
 
     def __init__(
         self,
@@ -47,6 +67,7 @@ class VisionTransformerLS(nn.Module):
         self.num_classes = cfg.num_classes
         self.global_pool = cfg.global_pool
         self.num_features = self.embed_dim = cfg.embed_dim
+        self.in_chans = cfg.in_chans
         self.num_storage_tokens = cfg.num_storage_tokens
         self.num_prefix_tokens = cfg.num_prefix_tokens
         self.patch_size = cfg.patch_size
@@ -84,6 +105,7 @@ class VisionTransformerLS(nn.Module):
         self.mask_token = nn.Parameter(torch.empty(1, dim))
         self.rope_embed = RopeEmbedding(
             cfg.head_dim,
+            num_prefix_tokens=cfg.num_prefix_tokens,
             base=cfg.rope_base,
             normalize_coords=cfg.rope_normalize_coords,
             shift_coords=cfg.rope_shift_coords,
@@ -190,20 +212,12 @@ class VisionTransformerLS(nn.Module):
         self.global_pool = global_pool
         self.num_classes = num_classes
         with torch.device(self.cls_token.device):
-            self.head = self._make_head(num_classes).to(dtype=self.cls_token.dtype)
+            self.head = self._make_head(num_classes).to(dtype=self.cls_token.dtype).train(self.training)
 
     # ------------------------------------------------------------------------------------------ forward
 
-    def _patch_grid(self, height: int, width: int) -> tuple[int, int]:
-        p = self.patch_size
-        if self.patch_embed.dynamic_img_pad:
-            return -(-height // p), -(-width // p)
-        if height % p or width % p:
-            raise ValueError(
-                f"input size {height}x{width} is not a multiple of the patch size {p}: resize or crop it to "
-                f"{height // p * p}x{width // p * p}, or build the model with dynamic_img_pad=True to pad"
-            )
-        return height // p, width // p
+    def _patch_grid(self, x: torch.Tensor) -> tuple[int, int]:
+        return patch_grid(x, self.patch_size, self.patch_embed.dynamic_img_pad)
 
     def prepare_tokens(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """`[cls, storage x N, patches]`; masked patches are replaced by `mask_token`."""
@@ -218,16 +232,11 @@ class VisionTransformerLS(nn.Module):
         prefix = torch.cat([cls_token, self.storage_tokens], dim=1).to(x.dtype)
         return torch.cat([prefix.expand(batch, -1, -1), x], dim=1)
 
-    def _rope_per_block(self, grid: tuple[int, int]) -> list[Rope]:
+    def _rope_per_block(self, height: int, width: int) -> list[Rope]:
         """Coordinate augmentation draws anew for every block in training, as in DINOv3 pretraining."""
         if self.training and self.rope_embed.augments:
-            return [self.rope_embed(*grid, self.num_prefix_tokens) for _ in self.blocks]
-        return [self.rope_embed(*grid, self.num_prefix_tokens)] * len(self.blocks)
-
-    def _run_block(self, block: nn.Module, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        if self.grad_checkpointing and not torch.jit.is_scripting():
-            return checkpoint(block, x, rope, use_reentrant=False)
-        return block(x, rope)
+            return [self.rope_embed(height, width) for _ in self.blocks]
+        return [self.rope_embed(height, width)] * len(self.blocks)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.cls_norm is None:
@@ -237,10 +246,14 @@ class VisionTransformerLS(nn.Module):
 
     def forward_features(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """Normed tokens `[B, 1 + storage + H*W, C]`."""
-        grid = self._patch_grid(*x.shape[-2:])
+        height, width = self._patch_grid(x)
         x = self.prepare_tokens(x, masks)
-        for block, rope in zip(self.blocks, self._rope_per_block(grid)):
-            x = self._run_block(block, x, rope)
+        ropes = self._rope_per_block(height, width)
+        for i, block in enumerate(self.blocks):
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(block, x, ropes[i], use_reentrant=False)
+            else:
+                x = block(x, ropes[i])
         return self._final_norm(x)
 
     def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
@@ -253,8 +266,8 @@ class VisionTransformerLS(nn.Module):
         x = self.head_drop(self.pool(x))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x, masks))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
 
     # ------------------------------------------------------------------------------------ intermediates
 
@@ -272,20 +285,19 @@ class VisionTransformerLS(nn.Module):
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt: got {output_fmt!r}; allowed: 'NCHW' or 'NLC'")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        batch = x.shape[0]
-        grid = self._patch_grid(*x.shape[-2:])
+        height, width = self._patch_grid(x)
         x = self.prepare_tokens(x)
         blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
         intermediates = []
-        for i, (block, rope) in enumerate(zip(blocks, self._rope_per_block(grid))):
-            x = self._run_block(block, x, rope)
+        for i, (block, rope) in enumerate(zip(blocks, self._rope_per_block(height, width))):
+            x = checkpoint(block, x, rope, use_reentrant=False) if self.grad_checkpointing else block(x, rope)
             if i in take_indices:
                 intermediates.append(self._final_norm(x) if norm else x)
         prefix = self.num_prefix_tokens
         prefix_tokens = [y[:, :prefix] for y in intermediates]
         intermediates = [y[:, prefix:] for y in intermediates]
         if output_fmt == "NCHW":
-            intermediates = [y.reshape(batch, *grid, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+            intermediates = [y.unflatten(1, (height, width)).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if return_prefix_tokens:
             intermediates = list(zip(intermediates, prefix_tokens))
         if intermediates_only:

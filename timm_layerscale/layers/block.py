@@ -1,7 +1,7 @@
 from collections.abc import Callable
 
 import torch
-from timm.layers import DropPath, Mlp
+from timm.layers import DropPath, Mlp, register_notrace_function
 from torch import nn
 
 from .attention import Attention
@@ -9,6 +9,14 @@ from .ffn import SwiGLU, swiglu_hidden_features
 from .layer_scale import layer_scale_or_identity
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
+
+
+@register_notrace_function  # FX records one call: the subset size is a Python number
+def random_subset(x: torch.Tensor, drop_rate: float) -> tuple[torch.Tensor, float]:
+    """Random sample indices that keep `1 - drop_rate` of the batch (at least one), and batch / kept."""
+    batch = x.shape[0]
+    kept = max(int(batch * (1 - drop_rate)), 1)
+    return torch.randperm(batch, device=x.device)[:kept], batch / kept
 
 
 class Block(nn.Module):
@@ -54,18 +62,14 @@ class Block(nn.Module):
     def _attn_branch(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         return self.ls1(self.attn(self.norm1(x), rope))
 
-    def _mlp_branch(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.ls2(self.mlp(self.norm2(x)))
-
-    def _sample_drop(self, x: torch.Tensor, branch: Callable, rope: Rope) -> torch.Tensor:
-        batch = x.shape[0]
-        subset = max(int(batch * (1 - self.sample_drop_rate)), 1)
-        index = torch.randperm(batch, device=x.device)[:subset]
-        return torch.index_add(x, 0, index, branch(x[index], rope).to(x.dtype), alpha=batch / subset)
 
     def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
         if self.training and self.sample_drop_rate > 0:
-            x = self._sample_drop(x, self._attn_branch, rope)
-            return self._sample_drop(x, self._mlp_branch, rope)
+            index, scale = random_subset(x, self.sample_drop_rate)
+            x = torch.index_add(x, 0, index, self._attn_branch(x[index], rope).to(x.dtype), alpha=scale)
+            index, scale = random_subset(x, self.sample_drop_rate)
+            return torch.index_add(x, 0, index, self._mlp_branch(x[index]).to(x.dtype), alpha=scale)
         x = x + self.drop_path(self._attn_branch(x, rope))
         return x + self.drop_path(self._mlp_branch(x))

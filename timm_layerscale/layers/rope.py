@@ -8,6 +8,7 @@ both normalised to [-1, 1] over the patch grid.
 import math
 
 import torch
+from timm.layers import register_notrace_module
 from torch import nn
 
 from ..config import NORMALIZE_COORDS
@@ -17,10 +18,12 @@ def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
+@register_notrace_module  # FX keeps it as one call: its sizes are Python numbers, known at run time
 class RopeEmbedding(nn.Module):
     def __init__(
         self,
         head_dim: int,
+        num_prefix_tokens: int = 0,
         base: float = 100.0,
         normalize_coords: str = "separate",
         shift_coords: float | None = None,
@@ -34,20 +37,18 @@ class RopeEmbedding(nn.Module):
         if normalize_coords not in NORMALIZE_COORDS:
             raise ValueError(f"normalize_coords: got {normalize_coords!r}; allowed: {NORMALIZE_COORDS}")
         self.head_dim = head_dim
+        self.num_prefix_tokens = num_prefix_tokens
         self.base = base
         self.normalize_coords = normalize_coords
         self.shift_coords = shift_coords
         self.jitter_coords = jitter_coords
         self.rescale_coords = rescale_coords
         self.round_periods_to_bf16 = round_periods_to_bf16
+        # Whether training draws random coordinate changes (then each block gets its own draw).
+        self.augments = any(v is not None for v in (shift_coords, jitter_coords, rescale_coords))
         # Persistent: released checkpoints carry their own (bf16-rounded) periods, which must win.
         self.register_buffer("periods", torch.empty(head_dim // 4, dtype=torch.float32), persistent=True)
         self.reset_parameters()
-
-    @property
-    def augments(self) -> bool:
-        """Whether training draws random coordinate changes (then each block gets its own draw)."""
-        return any(v is not None for v in (self.shift_coords, self.jitter_coords, self.rescale_coords))
 
     def _apply(self, fn, recurse=True):
         # Periods stay fp32 through model.to(dtype): casting would round a checkpoint's exact periods.
@@ -63,27 +64,28 @@ class RopeEmbedding(nn.Module):
         self.periods.copy_(bf16_rounded(periods) if self.round_periods_to_bf16 else periods)
 
     def _coords(self, height: int, width: int) -> torch.Tensor:
-        dd = dict(device=self.periods.device, dtype=torch.float32)
         if self.normalize_coords == "separate":
             h_den, w_den = height, width
         else:
             h_den = w_den = max(height, width) if self.normalize_coords == "max" else min(height, width)
-        coords_h = torch.arange(0.5, height, **dd) / h_den
-        coords_w = torch.arange(0.5, width, **dd) / w_den
+        # `arange(n) + 0.5` equals `arange(0.5, n)` and keeps the length symbolic for torch.export.
+        coords_h = (torch.arange(height, device=self.periods.device, dtype=torch.float32) + 0.5) / h_den
+        coords_w = (torch.arange(width, device=self.periods.device, dtype=torch.float32) + 0.5) / w_den
         coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
         coords = 2.0 * coords - 1.0
         if self.training:
+            # `periods` is always fp32: new_empty draws fp32 on its device.
             if self.shift_coords is not None:
-                coords = coords + torch.empty(2, **dd).uniform_(-self.shift_coords, self.shift_coords)
+                coords = coords + self.periods.new_empty(2).uniform_(-self.shift_coords, self.shift_coords)
             if self.jitter_coords is not None:
                 log_j = math.log(self.jitter_coords)
-                coords = coords * torch.empty(2, **dd).uniform_(-log_j, log_j).exp()
+                coords = coords * self.periods.new_empty(2).uniform_(-log_j, log_j).exp()
             if self.rescale_coords is not None:
                 log_r = math.log(self.rescale_coords)
-                coords = coords * torch.empty(1, **dd).uniform_(-log_r, log_r).exp()
+                coords = coords * self.periods.new_empty(1).uniform_(-log_r, log_r).exp()
         return coords
 
-    def forward(self, height: int, width: int, num_prefix_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sin, cos), each [num_prefix_tokens + height * width, head_dim], fp32.
 
         Prefix tokens get the identity rotation (sin 0, cos 1), so attention rotates all tokens at once.
@@ -91,18 +93,18 @@ class RopeEmbedding(nn.Module):
         """
         angles = 2 * math.pi * self._coords(height, width)[:, :, None] / self.periods.float()[None, None, :]
         angles = angles.flatten(1, 2)
-        angles = torch.cat([angles.new_zeros(num_prefix_tokens, angles.shape[1]), angles])
+        angles = torch.cat([angles.new_zeros(self.num_prefix_tokens, angles.shape[1]), angles])
         sin, cos = angles.sin(), angles.cos()
         return torch.cat([-sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotates the last dim of `x` in fp32 whatever its dtype (as the reference does), then casts back.
+    """Rotates the last dim of `x` in fp32 whatever its dtype (as Meta does), then casts back.
 
-    `rope` comes from `RopeEmbedding.forward`, broadcastable to `x` (tokens on the matching dim).
+    `rope` comes from `RopeEmbedding.forward`, broadcastable to `x` (tokens on the matching dim). The
+    products with the fp32 `sin` and `cos` are computed in fp32 without an fp32 copy of `x` (upcasting is
+    exact, so the values are those of `x.float()`), which keeps low-precision activations small.
     """
     signed_sin, cos = rope
-    xf = x.float()
-    # `xf * cos + roll(xf) * signed_sin`, with two fp32 temporaries fewer alive at once.
-    rotated = xf.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
-    return (xf * cos).add_(rotated).to(x.dtype)
+    rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    return (x * cos).add_(rotated).to(x.dtype)
