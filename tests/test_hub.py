@@ -104,7 +104,6 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
 def test_cli_pretrained_without_a_hub_falls_back_to_random_init(tmp_path: Path) -> None:
     env = hub_env(SimpleNamespace(url="http://127.0.0.1:9"), tmp_path / "hf_home")
     env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
-    start = time.monotonic()
     cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", "depth=2"]
     result = run(cli, env)
     assert result.returncode == 0, result.stderr
@@ -115,7 +114,7 @@ def test_cli_pretrained_without_a_hub_falls_back_to_random_init(tmp_path: Path) 
     assert "using random weights instead" in result.stderr and result.stderr.count("\n") == 1
     assert "weights: random init, because the Hub is not reachable (see the warning above)" in result.stdout
     assert "LayerScale gammas: " in result.stdout
-    assert time.monotonic() - start < 30  # no retry loop
+    # That this takes no retry loop is timed in process (test_hub_sources.py), free of start-up time under load.
 
 
 def test_inspect_pretrained_reads_the_hub_file_then_the_cache(hub_root: tuple[Path, Eva], tmp_path: Path) -> None:
