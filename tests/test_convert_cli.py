@@ -113,7 +113,9 @@ def test_a_conversion_prints_one_summary_line(runs: dict[str, Run], files: Path)
     run = runs["ok"]
     assert run.returncode == 0, run.stderr
     summary = run.stdout.splitlines()[-1]
-    assert summary.startswith(f"converted {files / 'small.safetensors'} (safetensors file, meta layout, weights: the only weights set)")
+    assert summary.startswith(
+        f"converted {files / 'small.safetensors'} (safetensors file, meta layout, weights: the only weights set)"
+    )
     assert f"to native {files / 'out-native'}: vit_ls_small_patch16_dinov3 (given, with " in summary
     assert " tensors, " in summary and " KB, " in summary and summary.endswith(" s")
     assert sorted(p.name for p in (files / "out-native").iterdir()) == ["config.json", "model.safetensors"]

@@ -8,18 +8,19 @@ file the same way; `base:` starts from a registered variant.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import yaml
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model, resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from .config import VitLsConfig
-from .conversion import CheckpointError, checkpoint_filter_fn
-from .conversion.reader import KIND_LEGACY_TORCH, KIND_SAFETENSORS, KIND_TORCH, open_checkpoint
+from .loading import load_pretrained
 from .model import VisionTransformerLS
 
 __all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
@@ -30,8 +31,6 @@ VARIANTS: dict[str, Variant] = {}
 
 TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
 TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
-# What timm's own file loader reads (safetensors, torch.load); folders and indexes need converting first.
-SINGLE_FILE_KINDS = (KIND_SAFETENSORS, KIND_TORCH, KIND_LEGACY_TORCH)
 FEATURE_BLOCKS = 4  # features_only returns the last four blocks (or all, if fewer) unless out_indices says
 
 
@@ -118,36 +117,32 @@ def _requested_tag(variant: Variant, pretrained_cfg: Any) -> str | None:
     return next(iter(variant.tags), None)
 
 
-def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
-    """Reads the file's headers before timm does, so a wrong or damaged file gets one clear error."""
-    if not overlay or not overlay.get("file"):
-        return
-    path = Path(overlay["file"])
-    with open_checkpoint(path) as checkpoint:
-        if path.is_file() and checkpoint.kind in SINGLE_FILE_KINDS:
-            return
-        if len(checkpoint.files) == 1 and checkpoint.files[0].is_file():
-            raise CheckpointError(f"{path} is a folder; pass its weights file {checkpoint.files[0]}")
-        converted = f"{path.name.split('.')[0]}.safetensors"
-        raise CheckpointError(
-            f"{path} is a {checkpoint.kind}, and pretrained loading reads one weights file; convert it to one "
-            f"first with `timm-ls convert {path} {converted} --to meta` and pass {converted}"
-        )
+def _fitted_to(config: VitLsConfig, cfg: PretrainedCfg) -> PretrainedCfg:
+    """The pretrained cfg with an input size the model accepts: a fixed-size model's own `img_size`, so that
+    timm's `resolve_data_config` and `create_transform` make inputs it runs on."""
+    if config.dynamic_img_size or cfg.input_size is None:
+        return cfg
+    size = tuple(config.img_size) if isinstance(config.img_size, (tuple, list)) else (config.img_size,) * 2
+    return dataclasses.replace(cfg, input_size=(cfg.input_size[0], *size))
 
 
 def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
     """Builds a variant through timm's builder: the YAML's arguments, the tag's, then the caller's."""
     tag = _requested_tag(variant, kwargs.get("pretrained_cfg"))
-    if pretrained:
-        _check_pretrained_file(kwargs.get("pretrained_cfg_overlay"))
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
     # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
     config = VitLsConfig.from_dict({k: v for k, v in model_kwargs.items() if k in VitLsConfig.field_names()})
+    cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
+    model_kwargs.update(pretrained_cfg=_fitted_to(config, cfg).to_dict(), pretrained_cfg_overlay=None)
+    model_cls = VisionTransformerLS
+    if pretrained:
+        # Built and loaded in one step, streamed into a model on the meta device (loading.py); timm's builder
+        # still fills in its arguments, records the pretrained cfg and wraps features_only models afterwards.
+        model_cls = partial(load_pretrained, cfg.to_dict(), kwargs.get("cache_dir"))
     return build_model_with_cfg(
-        VisionTransformerLS,
+        model_cls,
         variant.name,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
+        False,
         feature_cfg=dict(feature_cls="getter", out_indices=min(FEATURE_BLOCKS, config.depth)),
         **model_kwargs,
     )
