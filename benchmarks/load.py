@@ -17,6 +17,7 @@ Medians over the rounds.
 
     python benchmarks/load.py --workdir DIR --rounds 3            # (a); needs 3.5 GB disk, ~8 GB memory
     python benchmarks/load.py --workdir DIR --only 7b              # (b); needs ~18 GiB of free memory
+    python benchmarks/load.py --workdir DIR --only 7b --depth-7b 8 # (b) on 8 of the 7B's 40 blocks
 
 Files are deleted at the end.
 """
@@ -60,7 +61,7 @@ def warm(path: Path) -> None:
 # ------------------------------------------------------------------------------------------- children
 
 
-def child_load(side: str, path: str, dtype: str) -> None:
+def child_load(side: str, path: str, dtype: str, depth: str = "") -> None:
     import timm
     import torch
 
@@ -68,6 +69,8 @@ def child_load(side: str, path: str, dtype: str) -> None:
 
     name = {"ours": H_PLUS, "eva": f"{H_PLUS_EVA}.lvd1689m", "ours7b": SEVEN_B}[side]
     kwargs = {"dtype": getattr(torch, dtype)} if dtype != "float32" else {}
+    if depth:
+        kwargs["depth"] = int(depth)
     before = status_mib()
     peak = dict(before)
     done = threading.Event()
@@ -100,12 +103,12 @@ def child_load(side: str, path: str, dtype: str) -> None:
     )
 
 
-def eva_shapes(name: str) -> dict:
+def eva_shapes(name: str, depth: int | None = None) -> dict:
     import timm
     import torch
 
     with torch.device("meta"):
-        model = timm.create_model(name)
+        model = timm.create_model(name, **({"depth": depth} if depth else {}))
     return {k: v for k, v in model.state_dict().items()}
 
 
@@ -138,12 +141,12 @@ def child_make_h_plus(path: str) -> None:
     write_safetensors(Path(path), Synthetic())
 
 
-def child_make_sparse_7b(path: str) -> None:
+def child_make_sparse_7b(path: str, depth: str) -> None:
     """The 7B in eva's layout, fp32: the safetensors header, then a hole the size of the data, with only
     tensors under 1 MiB written (so a few MiB of disk; the holes read as zeros)."""
     import torch
 
-    shapes = eva_shapes(SEVEN_B_EVA)
+    shapes = eva_shapes(SEVEN_B_EVA, int(depth))
     header, offset = {}, 0
     for key, tensor in shapes.items():
         nbytes = tensor.numel() * 4
@@ -208,22 +211,22 @@ def bench_h_plus(workdir: Path, rounds: int) -> None:
     path.unlink()
 
 
-def bench_7b(workdir: Path) -> None:
-    free = available_gib()
-    if free < 18:
-        raise SystemExit(f"the 7B run needs 18 GiB of available memory; MemAvailable is {free:.1f} GiB")
+def bench_7b(workdir: Path, depth: int) -> None:
+    free, needed = available_gib(), 18 * depth / 40
+    if free < needed:
+        raise SystemExit(f"the 7B run needs {needed:.0f} GiB of available memory; MemAvailable is {free:.1f} GiB")
     path = workdir / "vit_7b_patch16_dinov3_eva_sparse.safetensors"
-    subprocess.run([sys.executable, __file__, "make-sparse-7b", str(path)], check=True)
+    subprocess.run([sys.executable, __file__, "make-sparse-7b", str(path), str(depth)], check=True)
     try:
         size = path.stat().st_size
         print(f"file: {path.name}, {size / 1e9:.2f} GB, sparse", flush=True)
         warm(path)
-        result = run_child("load", "ours7b", str(path), "bfloat16")
+        result = run_child("load", "ours7b", str(path), "bfloat16", str(depth))
         bf16 = result["weights_mib"]
         anon, file = result["anon_mib"], result["file_mib"]
         print(
-            f"7B, dtype=bfloat16: {result['seconds']:.1f} s, RssAnon +{anon:.0f} MiB = {anon / bf16:.2f}x its bf16 "
-            f"size ({bf16 / 1024:.2f} GiB), RssFile +{file:.0f} MiB"
+            f"7B ({depth} blocks), dtype=bfloat16: {result['seconds']:.1f} s, RssAnon +{anon:.0f} MiB = "
+            f"{anon / bf16:.2f}x its bf16 size ({bf16 / 1024:.2f} GiB), RssFile +{file:.0f} MiB"
         )
     finally:
         path.unlink(missing_ok=True)
@@ -234,6 +237,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", choices=("h-plus", "7b"))
+    parser.add_argument("--depth-7b", type=int, default=40, help="blocks of the 7B shape (40: the real one)")
     args = parser.parse_args()
     workdir = args.workdir / "load-benchmark"
     workdir.mkdir(parents=True, exist_ok=True)
@@ -241,7 +245,7 @@ def main() -> None:
         if args.only != "7b":
             bench_h_plus(workdir, args.rounds)
         if args.only != "h-plus":
-            bench_7b(workdir)
+            bench_7b(workdir, args.depth_7b)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
