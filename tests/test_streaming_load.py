@@ -1,5 +1,6 @@
 """Pretrained loading streams into a model built on the meta device, and ends where timm's own loader does."""
 
+import inspect
 import subprocess
 import sys
 
@@ -78,7 +79,7 @@ def test_no_parameter_is_initialised_or_copied_twice(tmp_path):
         model = timm.create_model(NAME, **overlay(tmp_path / "w.safetensors"), **TINY)
     assert loading.random_numel == 0
     # One copy of the weights: each tensor read from the mapped file once into the model's own memory.
-    assert loading.nbytes <= 1.02 * weights_nbytes(model)
+    assert 0.98 * weights_nbytes(model) <= loading.nbytes <= 1.02 * weights_nbytes(model)
     assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
     # A load that builds a real model first (timm's way) initialises every parameter: this counts them.
     with Allocations() as building:
@@ -111,6 +112,25 @@ def test_dtype_is_applied_per_tensor(dtype, tmp_path):
         else:
             assert value.dtype == dtype and torch.equal(value, expected.to(dtype)), key
     assert model.blocks[0].ls1.gamma.requires_grad
+    frozen = timm.create_model(NAME, **overlay(tmp_path / "w.safetensors"), freeze_layer_scale=True, **TINY)
+    assert not frozen.blocks[0].ls1.gamma.requires_grad and frozen.blocks[0].attn.qkv.weight.requires_grad
+
+
+@torch.no_grad()
+def test_the_weights_are_the_models_own_memory_not_the_files(tmp_path):
+    source = source_model()
+    save_file(source.state_dict(), tmp_path / "w.safetensors")
+    model = timm.create_model(NAME, **overlay(tmp_path / "w.safetensors"), **TINY)
+    save_file({k: torch.zeros_like(v) for k, v in source.state_dict().items()}, tmp_path / "w.safetensors")
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+def test_a_state_dict_overlay_wins_over_a_file_as_in_timm(tmp_path):
+    source = source_model()
+    save_file(source_model(num_classes=3).state_dict(), tmp_path / "other.safetensors")
+    cfg = dict(state_dict=source.state_dict(), file=str(tmp_path / "other.safetensors"))
+    model = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=cfg, **TINY)
+    assert torch.equal(model.cls_token, source.cls_token)
 
 
 def test_state_dict_sources_are_copied_not_shared():
@@ -151,11 +171,15 @@ def test_the_head_follows_timms_loader(kwargs, cfg, tmp_path):
 @pytest.mark.parametrize(("in_chans", "base_chans"), [(1, 3), (5, 3), (2, 3), (3, 2), (4, 4)])
 @torch.no_grad()
 def test_input_channels_are_adapted_as_timm_does(in_chans, base_chans, tmp_path, images):
+    takes_base = "base_chans" in inspect.signature(adapt_input_conv).parameters
+    if base_chans != 3 and not takes_base:
+        pytest.skip("this timm adapts from 3 channels only")
     source = source_model(in_chans=base_chans)
     save_file(source.state_dict(), tmp_path / "w.safetensors")
     cfg = dict(input_size=(base_chans, 224, 224))
     model = timm.create_model(NAME, **overlay(tmp_path / "w.safetensors", **cfg), in_chans=in_chans, **TINY)
-    expected = adapt_input_conv(in_chans, source.patch_embed.proj.weight, base_chans=base_chans)
+    weight = source.patch_embed.proj.weight
+    expected = adapt_input_conv(in_chans, weight, **({"base_chans": base_chans} if takes_base else {}))
     assert model.patch_embed.proj.weight.shape == (64, in_chans, 16, 16)
     assert torch.equal(model.patch_embed.proj.weight, expected)
     for key, value in model.state_dict().items():
@@ -247,7 +271,7 @@ from safetensors.torch import save_file
 x = torch.randn(1, 3, 32, 48, generator=torch.Generator().manual_seed(0))
 out = {}
 for name in sys.argv[2:]:
-    model = timm.create_model(name, pretrained=True, **(dict(depth=2, rope_periods_bf16=False) if '.' in name else {}))
+    model = timm.create_model(name, pretrained=True, depth=2, rope_periods_bf16=False)
     with torch.no_grad():
         out[name] = model.eval().forward_features(x)
 save_file(out, sys.argv[1])
@@ -264,7 +288,7 @@ def test_sharded_tag_and_hf_hub_folders_through_the_hub(tmp_path):
     sharded.mkdir(parents=True)
     save_torch_state_dict(eva.state_dict(), sharded, max_shard_size=300_000)
     assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
-    ours = source_model()
+    ours = source_model(embed_dim=384, num_heads=6, rope_periods_bf16=False)  # timm 1.0.26 records no model args
     save_for_hf(ours, root / "someone" / "vit-ls-tiny", safe_serialization=True)
     names = ["vit_ls_small_patch16_dinov3.lvd1689m", "hf-hub:someone/vit-ls-tiny"]
     with LocalHub(root) as hub:

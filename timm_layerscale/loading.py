@@ -13,7 +13,6 @@ when `num_classes` differs from the pretrained one, and the patch embedding is a
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,11 @@ from tqdm.auto import tqdm
 
 from .conversion import CheckpointError, log_report, plan_load
 from .conversion.plan import Plan, Step, passthrough
-from .conversion.reader import open_checkpoint
+from .conversion.reader import HUB_WEIGHTS, open_checkpoint
 from .model import VisionTransformerLS
 
 __all__ = ["load_pretrained", "pretrained_source"]
 
-_logger = logging.getLogger("timm_layerscale")
 
 PATCH_WEIGHT = "patch_embed.proj.weight"
 PROGRESS_DELAY_S = 3.0  # a progress bar appears once a load has taken this long
@@ -59,7 +57,8 @@ def pretrained_source(cfg: Mapping[str, Any], cache_dir: str | Path | None = Non
 
 
 def _hub_weights(hub_id: str, filename: str | None, cache_dir: str | Path | None) -> Path:
-    """One `model.safetensors`, else a sharded index with its shards (beside it in the cache)."""
+    """The repo's `model.safetensors`, else its sharded index with the shards (beside it in the cache), else
+    `pytorch_model.bin`; the first miss is raised when none is there."""
     repo, _, revision = hub_id.partition("@")
 
     def download(name: str) -> Path:
@@ -67,13 +66,27 @@ def _hub_weights(hub_id: str, filename: str | None, cache_dir: str | Path | None
 
     if filename:
         return download(filename)
+    first_miss = None
+    for name in HUB_WEIGHTS:
+        try:
+            path = download(name)
+        except EntryNotFoundError as exc:  # also raised offline for a file that is not cached
+            first_miss = first_miss or exc
+            continue
+        if name.endswith(".index.json"):
+            for shard in _shard_names(path):
+                download(shard)
+        return path
+    raise first_miss
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shards an index names inside its repo; a broken index names none, and the reader says why."""
     try:
-        return download("model.safetensors")
-    except EntryNotFoundError:
-        index = download("model.safetensors.index.json")
-    for shard in sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())):
-        download(shard)
-    return index
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return sorted(n for n in names if isinstance(n, str) and ".." not in Path(n).parts and not Path(n).is_absolute())
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -100,9 +113,11 @@ def _for_the_model(cfg: Mapping[str, Any], model: VisionTransformerLS) -> Callab
             stored = native.info(PATCH_WEIGHT).shape[1]
 
             def adapted(weight: torch.Tensor) -> tuple[torch.Tensor]:
-                try:
-                    return (adapt_input_conv(in_chans, weight, base_chans=base_chans),)
-                except (NotImplementedError, AssertionError, ValueError) as exc:
+                try:  # older timm (1.0.26) adapts from 3 channels only: no base_chans
+                    return (
+                        adapt_input_conv(in_chans, weight, **({"base_chans": base_chans} if base_chans != 3 else {})),
+                    )
+                except (NotImplementedError, AssertionError, ValueError, TypeError) as exc:
                     raise CheckpointError(
                         f"the checkpoint's {PATCH_WEIGHT} takes {stored} input channels and the pretrained cfg "
                         f"says {base_chans}: it cannot be adapted to in_chans={in_chans}; build with "
@@ -151,7 +166,7 @@ def load_pretrained(
         ) as progress:
             for key, tensor in fitted.plan.items():
                 target = targets[key]
-                value = tensor.to(device=device, dtype=target.dtype)
+                value = tensor.to(device=device, dtype=target.dtype, memory_format=torch.contiguous_format)
                 if value is tensor:  # still the file's pages or the caller's tensor: the model gets its own
                     value = tensor.clone(memory_format=torch.contiguous_format)
                 _assign(model, key, value)
