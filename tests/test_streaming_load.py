@@ -127,7 +127,7 @@ def test_the_weights_are_the_models_own_memory_not_the_files(tmp_path):
 
 def test_a_state_dict_overlay_wins_over_a_file_as_in_timm(tmp_path):
     source = source_model()
-    save_file(source_model(num_classes=3).state_dict(), tmp_path / "other.safetensors")
+    save_file(move_off_init_(timm.create_model(NAME, **TINY), seed=5).state_dict(), tmp_path / "other.safetensors")
     cfg = dict(state_dict=source.state_dict(), file=str(tmp_path / "other.safetensors"))
     model = timm.create_model(NAME, pretrained=True, pretrained_cfg_overlay=cfg, **TINY)
     assert torch.equal(model.cls_token, source.cls_token)
