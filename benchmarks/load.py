@@ -67,7 +67,9 @@ def child_load(side: str, path: str, dtype: str, depth: str = "") -> None:
 
     import timm_layerscale  # noqa: F401
 
-    name = {"ours": H_PLUS, "eva": f"{H_PLUS_EVA}.lvd1689m", "ours7b": SEVEN_B}[side]
+    name = {"ours": H_PLUS, "eva": f"{H_PLUS_EVA}.lvd1689m", "ours7b": SEVEN_B, "eva7b": f"{SEVEN_B_EVA}.lvd1689m"}[
+        side
+    ]
     kwargs = {"dtype": getattr(torch, dtype)} if dtype != "float32" else {}
     if depth:
         kwargs["depth"] = int(depth)
@@ -221,13 +223,16 @@ def bench_7b(workdir: Path, depth: int) -> None:
         size = path.stat().st_size
         print(f"file: {path.name}, {size / 1e9:.2f} GB, sparse", flush=True)
         warm(path)
-        result = run_child("load", "ours7b", str(path), "bfloat16", str(depth))
-        bf16 = result["weights_mib"]
-        anon, file = result["anon_mib"], result["file_mib"]
-        print(
-            f"7B ({depth} blocks), dtype=bfloat16: {result['seconds']:.1f} s, RssAnon +{anon:.0f} MiB = "
-            f"{anon / bf16:.2f}x its bf16 size ({bf16 / 1024:.2f} GiB), RssFile +{file:.0f} MiB"
-        )
+        sides = ["ours7b"] if depth == 40 else ["ours7b", "eva7b"]  # never timm eva's full 7B here
+        for side in sides:
+            warm(path)
+            result = run_child("load", side, str(path), "bfloat16", str(depth))
+            anon, file, bf16 = result["anon_mib"], result["file_mib"], result["weights_mib"]
+            print(
+                f"7B ({depth} blocks) {side[:-2]}, dtype=bfloat16: {result['seconds']:.1f} s, RssAnon +{anon:.0f} MiB "
+                f"= {anon / bf16:.2f}x its bf16 size ({bf16 / 1024:.2f} GiB), RssFile +{file:.0f} MiB",
+                flush=True,
+            )
     finally:
         path.unlink(missing_ok=True)
 
