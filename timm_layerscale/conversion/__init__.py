@@ -2,10 +2,11 @@
 model/file -> plan -> target table -> writer: `convert_checkpoint` writes any of them in another layout.
 
 Both run on the same per-layout key tables (`layouts.py`) and fitting rules (`fit.py`), planned from
-shapes and read one tensor at a time. `convert_state_dict` is the one place loading does it. timm's
-`pretrained_filter_fn` calls it, and so does a `load_state_dict` pre-hook on every model, because
-`timm.models.load_checkpoint`, `checkpoint_path=`, train.py's `--initial-checkpoint` and validate.py's
-`--checkpoint` load without any filter.
+shapes and read one tensor at a time. `plan_load` plans every load: pretrained loading streams its plan
+into a model on the meta device (`timm_layerscale.loading`), and `convert_state_dict` runs it for a
+`load_state_dict` pre-hook on every model, because `timm.models.load_checkpoint`, `checkpoint_path=`,
+train.py's `--initial-checkpoint` and validate.py's `--checkpoint` load without any filter (and for
+`checkpoint_filter_fn`, for code that calls timm's own `load_pretrained`).
 """
 
 from __future__ import annotations
