@@ -19,7 +19,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("demo", help="run a variant on images and show its LayerScale (the default)")
     parser.add_argument("--variant", default="vit_ls_small_patch16_dinov3", help="NAME or NAME.TAG")
     weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", metavar="PATH", help="a .safetensors or .pth file of weights")
+    weights.add_argument(
+        "--checkpoint", metavar="PATH", help="a weights file (.safetensors, .pth) or checkpoint folder"
+    )
     weights.add_argument("--pretrained", action="store_true", help="download the tag's weights from the Hub")
     parser.add_argument(
         "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="e.g. init_values=off depth=2"
