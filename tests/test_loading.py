@@ -99,50 +99,49 @@ def test_every_loading_flag_reads_every_layout(layout, tmp_path, images):
 
 
 @pytest.mark.parametrize("folder", ["transformers", "timm"])
-def test_hub_folders_name_their_weights_file(folder, tmp_path):
-    """timm opens pretrained paths itself and reads one file: a Hub folder's error names the file to pass."""
+@torch.no_grad()
+def test_hub_folders_load_as_pretrained_files(folder, tmp_path, images):
+    """A Hub folder given as the pretrained file loads directly, like its weights file."""
     if folder == "transformers":
-        transformers_reference("mlp").save_pretrained(tmp_path / "ckpt")
+        reference = transformers_reference("mlp")
+        reference.save_pretrained(tmp_path / "ckpt")
+        expected = reference(pixel_values=images).last_hidden_state
     else:
-        save_for_hf(timm.create_model(NAME, **TINY), tmp_path / "ckpt", safe_serialization=True)
-    folder_path = tmp_path / "ckpt"
-    with pytest.raises(CheckpointError) as info:
-        from_file(folder_path)
-    assert str(info.value) == f"{folder_path} is a folder; pass its weights file {folder_path / 'model.safetensors'}"
+        reference = source_model(rope_periods_bf16=False)
+        save_for_hf(reference, tmp_path / "ckpt", safe_serialization=True)
+        expected = reference.forward_features(images)
+    model = from_file(tmp_path / "ckpt", rope_periods_bf16=False)
+    assert max_diff(model.forward_features(images), expected) <= 1e-5
 
 
-def test_folders_and_indexes_point_at_convert(tmp_path):
-    """timm reads one file: a training folder gets the command that makes one (never torch's dcp_to_torch_save)."""
-    state = {"model": source_model().state_dict()}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt" / "99"), no_dist=True)
-    with pytest.raises(CheckpointError) as info:
-        from_file(tmp_path / "ckpt" / "99")
-    assert str(info.value) == (
-        f"{tmp_path / 'ckpt' / '99'} is a distributed checkpoint, and pretrained loading reads one weights file; "
-        f"convert it to one first with `timm-ls convert {tmp_path / 'ckpt' / '99'} 99.safetensors --to meta` and "
-        f"pass 99.safetensors"
+@torch.no_grad()
+def test_training_folders_and_indexes_load(tmp_path, images):
+    """A DCP training folder and a sharded index load as they are; nothing needs converting first."""
+    source = source_model()
+    expected = source.forward_features(images)
+    dcp.save(
+        {"model": source.state_dict()}, storage_writer=dcp.FileSystemWriter(tmp_path / "ckpt" / "99"), no_dist=True
     )
+    assert max_diff(from_file(tmp_path / "ckpt" / "99").forward_features(images), expected) == 0
     (tmp_path / "sharded").mkdir()
-    save_torch_state_dict(source_model().state_dict(), tmp_path / "sharded", max_shard_size=20_000)
-    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json is a sharded safetensors, .* convert"):
-        from_file(tmp_path / "sharded" / "model.safetensors.index.json")
+    save_torch_state_dict(source.state_dict(), tmp_path / "sharded", max_shard_size=20_000)
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    for path in (tmp_path / "sharded", tmp_path / "sharded" / "model.safetensors.index.json"):
+        assert max_diff(from_file(path).forward_features(images), expected) == 0
     with pytest.raises(CheckpointError, match="does not exist"):
         from_file(tmp_path / "nope.pth")
 
 
 @torch.no_grad()
-def test_hub_folder_points_at_its_weights_file(tmp_path, images):
+def test_a_folder_with_or_without_config_loads(tmp_path, images):
     source = source_model()
     save_file(source.state_dict(), tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text('{"architecture": "vit_ls_small_patch16_dinov3"}')
-    expected = f"^{tmp_path} is a folder; pass its weights file {tmp_path / 'model.safetensors'}$"
-    with pytest.raises(CheckpointError, match=expected):
-        from_file(tmp_path)
+    expected = source.forward_features(images)
+    assert max_diff(from_file(tmp_path).forward_features(images), expected) == 0
     (tmp_path / "config.json").unlink()  # weights alone in a folder
-    with pytest.raises(CheckpointError, match=expected):
-        from_file(tmp_path)
-    loaded = from_file(tmp_path / "model.safetensors")
-    assert max_diff(loaded.forward_features(images), source.forward_features(images)) == 0
+    assert max_diff(from_file(tmp_path).forward_features(images), expected) == 0
+    assert max_diff(from_file(tmp_path / "model.safetensors").forward_features(images), expected) == 0
 
 
 @torch.no_grad()

@@ -495,3 +495,34 @@ def mapped_ranges(path) -> list[range]:
             start, end = (int(a, 16) for a in span.split("-"))
             ranges.append(range(start, end))
     return ranges
+
+
+def test_safetensors_files_too_large_to_map_are_read_tensor_by_tensor(tmp_path):
+    """The fallback for a file the kernel will not map whole (a 27 GB 7B on a 24 GB machine) reads the same."""
+    from timm_layerscale.conversion.reader import _flat_safetensors_read
+
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "d": torch.tensor([True, False]),
+        "e": torch.randn(2, 2).half(),
+        "f": torch.tensor(2.5),
+    }
+    save_file(tensors, tmp_path / "w.safetensors")
+    flat = _flat_safetensors_read(tmp_path / "w.safetensors")
+    assert set(flat.infos) == set(tensors)
+    for key, value in tensors.items():
+        assert flat.infos[key] == TensorInfo(value.shape, value.dtype)
+        assert torch.equal(flat.read(key), value), key
+    flat.close()
+    flat.close()
+    data = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-4])
+    with pytest.raises(
+        CheckpointError, match=r"cut.safetensors is a truncated or corrupt safetensors file \(\w+ is cut"
+    ):
+        _flat_safetensors_read(tmp_path / "cut.safetensors")
+    (tmp_path / "bad.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}")
+    with pytest.raises(CheckpointError, match=r"truncated or corrupt safetensors file \(header length"):
+        _flat_safetensors_read(tmp_path / "bad.safetensors")

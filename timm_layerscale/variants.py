@@ -9,6 +9,7 @@ file the same way; `base:` starts from a registered variant.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +20,7 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from .config import VitLsConfig
-from .conversion import CheckpointError, checkpoint_filter_fn
-from .conversion.reader import KIND_LEGACY_TORCH, KIND_SAFETENSORS, KIND_TORCH, open_checkpoint
-from .hub import hub_weights
+from .loading import load_pretrained
 from .model import VisionTransformerLS
 
 __all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
@@ -32,8 +31,6 @@ VARIANTS: dict[str, Variant] = {}
 
 TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
 TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
-# What timm's own file loader reads (safetensors, torch.load); folders and indexes need converting first.
-SINGLE_FILE_KINDS = (KIND_SAFETENSORS, KIND_TORCH, KIND_LEGACY_TORCH)
 FEATURE_BLOCKS = 4  # features_only returns the last four blocks (or all, if fewer) unless out_indices says
 
 
@@ -121,40 +118,6 @@ def _requested_tag(variant: Variant, pretrained_cfg: Any) -> str | None:
     return next(iter(variant.tags), None)
 
 
-def _check_pretrained_file(overlay: dict[str, Any] | None) -> None:
-    """Reads the file's headers before timm does, so a wrong or damaged file gets one clear error."""
-    if not overlay or not overlay.get("file"):
-        return
-    path = Path(overlay["file"])
-    with open_checkpoint(path) as checkpoint:
-        if path.is_file() and checkpoint.kind in SINGLE_FILE_KINDS:
-            return
-        if len(checkpoint.files) == 1 and checkpoint.files[0].is_file():
-            raise CheckpointError(f"{path} is a folder; pass its weights file {checkpoint.files[0]}")
-        converted = f"{path.name.split('.')[0]}.safetensors"
-        raise CheckpointError(
-            f"{path} is a {checkpoint.kind}, and pretrained loading reads one weights file; convert it to one "
-            f"first with `timm-ls convert {path} {converted} --to meta` and pass {converted}"
-        )
-
-
-def _hub_overlay(variant: Variant, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The caller's overlay plus the local copy of the Hub weights the resolved pretrained cfg names (a tag's
-    `hf_hub_id`, an `hf-hub:` repo), or None where it names no Hub source (a file, a state dict, `local-dir:`)."""
-    overlay = kwargs.get("pretrained_cfg_overlay")
-    cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay).to_dict()
-    # timm's order: an `hf-hub:` source, then `local-dir:`, then a state dict or file, then the Hub id.
-    given = cfg.get("source") == "local-dir" or cfg.get("state_dict") or cfg.get("file")
-    if not cfg.get("hf_hub_id") or (given and cfg.get("source") != "hf-hub"):
-        return None
-    weights = hub_weights(cfg)
-    # timm's file loader reads one file; a sharded repo's index goes in as the checkpoint's tensors.
-    local = dict(file=str(weights)) if weights.is_file() and not weights.name.endswith(".json") else None
-    if local is None:  # left open: the tensors may be views of its mapped shards
-        local = dict(state_dict=dict(open_checkpoint(weights).items()))
-    return {**(overlay or {}), **local, "source": "hub-cache"}
-
-
 def _fixed_size_overlay(variant: Variant, kwargs: dict[str, Any], config: VitLsConfig) -> dict[str, Any]:
     """A model without `dynamic_img_size` takes one input size, its `img_size`: its pretrained cfg says so, so
     that timm's `resolve_data_config` + `create_transform` make inputs it accepts. The channel count stays
@@ -168,22 +131,21 @@ def _fixed_size_overlay(variant: Variant, kwargs: dict[str, Any], config: VitLsC
 def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
     """Builds a variant through timm's builder: the YAML's arguments, the tag's, then the caller's."""
     tag = _requested_tag(variant, kwargs.get("pretrained_cfg"))
-    if pretrained:
-        # Hub weights come through `hub.hub_weights` (one-line errors, shards), then load as a local file.
-        overlay = _hub_overlay(variant, kwargs)
-        if overlay is not None:
-            kwargs["pretrained_cfg_overlay"] = overlay
-        _check_pretrained_file(kwargs.get("pretrained_cfg_overlay"))
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
     # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
     config = VitLsConfig.from_dict({k: v for k, v in model_kwargs.items() if k in VitLsConfig.field_names()})
     if not config.dynamic_img_size:
         model_kwargs["pretrained_cfg_overlay"] = _fixed_size_overlay(variant, model_kwargs, config)
+    model_cls = VisionTransformerLS
+    if pretrained:
+        # Built and loaded in one step, streamed into a model on the meta device (loading.py); timm's builder
+        # still fills in its arguments, records the pretrained cfg and wraps features_only models afterwards.
+        cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
+        model_cls = partial(load_pretrained, cfg.to_dict(), kwargs.get("cache_dir"))
     return build_model_with_cfg(
-        VisionTransformerLS,
+        model_cls,
         variant.name,
-        pretrained,
-        pretrained_filter_fn=checkpoint_filter_fn,
+        False,
         feature_cfg=dict(feature_cls="getter", out_indices=min(FEATURE_BLOCKS, config.depth)),
         **model_kwargs,
     )

@@ -2,15 +2,17 @@
 model/file -> plan -> target table -> writer: `convert_checkpoint` writes any of them in another layout.
 
 Both run on the same per-layout key tables (`layouts.py`) and fitting rules (`fit.py`), planned from
-shapes and read one tensor at a time. `convert_state_dict` is the one place loading does it. timm's
-`pretrained_filter_fn` calls it, and so does a `load_state_dict` pre-hook on every model, because
-`timm.models.load_checkpoint`, `checkpoint_path=`, train.py's `--initial-checkpoint` and validate.py's
-`--checkpoint` load without any filter.
+shapes and read one tensor at a time. `plan_load` plans every load: pretrained loading streams its plan
+into a model on the meta device (`timm_layerscale.loading`), and `convert_state_dict` runs it for a
+`load_state_dict` pre-hook on every model, because `timm.models.load_checkpoint`, `checkpoint_path=`,
+train.py's `--initial-checkpoint` and validate.py's `--checkpoint` load without any filter (and for
+`checkpoint_filter_fn`, for code that calls timm's own `load_pretrained`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -20,6 +22,7 @@ from .errors import CheckpointError
 from .fit import Fitted, fit_to_model
 from .layer_scale import fold_layer_scale
 from .layouts import StateDict, detect_layout, rename_layer_scale
+from .plan import Plan
 from .reader import LazyCheckpoint, open_checkpoint
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "convert_state_dict",
     "fold_layer_scale",
     "install_load_hook",
+    "log_report",
     "plan_load",
     "rename_layer_scale",
 ]
@@ -37,19 +41,23 @@ __all__ = [
 _logger = logging.getLogger("timm_layerscale")
 
 
-def plan_load(checkpoint: Any, model: nn.Module, pretrained: bool = False) -> Fitted:
+def plan_load(
+    checkpoint: Any, model: nn.Module, pretrained: bool = False, prepare: Callable[[Plan], Plan] | None = None
+) -> Fitted:
     """Plans loading any supported checkpoint into `model` (live or on the meta device), reading nothing
     but the gammas it checks: `plan_load(...).plan.items()` yields the model's keys and tensors one by one,
     in the model's order. Raises `CheckpointError` for what cannot load.
 
-    `pretrained` marks a pretrained load, the only kind that `reinit_layer_scale` re-initialises.
+    `pretrained` marks a pretrained load, the only kind that `reinit_layer_scale` re-initialises. `prepare`
+    changes the checkpoint in native keys before it is fitted (pretrained loading adapts head and stem there).
     """
     source = checkpoint if isinstance(checkpoint, LazyCheckpoint) else open_checkpoint(checkpoint)
     layout = detect_layout(source)
     name = getattr(model, "pretrained_cfg", {}).get("architecture") or type(model).__name__
     config = getattr(model, "config", None)
+    native = layout.to_native(source)
     return fit_to_model(
-        layout.to_native(source),
+        prepare(native) if prepare else native,
         model.state_dict(),
         layout=layout.name,
         model_name=name,
@@ -68,7 +76,7 @@ def convert_state_dict(checkpoint: Any, model: nn.Module, pretrained: bool = Fal
     return dict(fitted.plan.items()), fitted.report(f"loaded a {fitted.layout} checkpoint")
 
 
-def _log(lines: list[str]) -> None:
+def log_report(lines: list[str]) -> None:
     for line in lines:
         if line.startswith("WARNING: "):
             _logger.warning(line[len("WARNING: ") :])
@@ -94,7 +102,7 @@ def _load_pre_hook(module: nn.Module, state_dict, prefix: str, *args) -> None:
     converted, lines = convert_state_dict(ours, module)
     state_dict.update({prefix + k: v for k, v in converted.items()})
     # After the filter the same load reaches this hook with converted keys: report only once.
-    _log(module.__dict__.pop("_pending_load_report", None) or lines)
+    log_report(module.__dict__.pop("_pending_load_report", None) or lines)
 
 
 def install_load_hook(model: nn.Module) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -233,9 +234,62 @@ def _flat_safetensors(path: Path) -> _Flat:
         raise CheckpointError(
             f"{path} is a truncated or corrupt safetensors file ({reason(exc)}); save or download it again"
         ) from exc
+    except RuntimeError as exc:
+        # A file larger than the memory the kernel lets one mapping commit (a 27 GB 7B on a 24 GB machine).
+        if "mmap" not in str(exc):
+            raise
+        return _flat_safetensors_read(path)
     if not infos:
         raise CheckpointError(f"{path} holds no tensors (an empty safetensors file); {PASS_WEIGHTS}")
     return _Flat(KIND_SAFETENSORS, infos, handle.get_tensor, (path,))
+
+
+def _flat_safetensors_read(path: Path) -> _Flat:
+    """A safetensors file read tensor by tensor with positioned reads, for one that cannot be mapped whole."""
+    corrupt = f"{path} is a truncated or corrupt safetensors file"
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if not 0 < length <= size - 8:
+            raise CheckpointError(f"{corrupt} (header length {length}); save or download it again")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise CheckpointError(f"{corrupt} ({reason(exc)}); save or download it again") from exc
+    infos, spans = {}, {}
+    for key, entry in header.items() if isinstance(header, dict) else ():
+        if key == "__metadata__":
+            continue
+        try:
+            info = TensorInfo(torch.Size(entry["shape"]), _safetensors_dtype(entry["dtype"], key, path))
+            begin, end = (8 + length + int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{corrupt} (entry {key}: {reason(exc)}); save or download it again") from exc
+        if end - begin != info.nbytes or end > size:
+            raise CheckpointError(f"{corrupt} ({key} is cut short or misplaced); save or download it again")
+        infos[key], spans[key] = info, begin
+    if not infos:
+        raise CheckpointError(f"{path} holds no tensors (an empty safetensors file); {PASS_WEIGHTS}")
+    fd = os.open(path, os.O_RDONLY)
+
+    def read(key: str) -> torch.Tensor:
+        info = infos[key]
+        tensor = torch.empty(info.shape, dtype=info.dtype)
+        buffer, done = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), 0
+        while done < info.nbytes:
+            got = os.preadv(fd, [buffer[done:]], spans[key] + done)
+            if got <= 0:
+                raise CheckpointError(f"{corrupt} (reading {key} ended early); save or download it again")
+            done += got
+        return tensor
+
+    def close() -> None:
+        nonlocal fd
+        if fd >= 0:
+            os.close(fd)
+            fd = -1
+
+    return _Flat(KIND_SAFETENSORS, infos, read, (path,), close)
 
 
 def _safetensors_dtype(name: str, key: str, path: Path) -> torch.dtype:
