@@ -299,4 +299,5 @@ def test_sharded_tag_and_hf_hub_folders_through_the_hub(tmp_path):
     out = load_file(tmp_path / "out.safetensors")
     x = torch.randn(1, 3, 32, 48, generator=torch.Generator().manual_seed(0))
     assert max_diff(out[names[0]], eva.forward_features(x)) <= 1e-5
-    assert max_diff(out[names[1]], ours.forward_features(x)) == 0
+    # Another process may split the matmuls over other threads: the weights are equal, the sums nearly.
+    assert max_diff(out[names[1]], ours.forward_features(x)) <= 1e-5

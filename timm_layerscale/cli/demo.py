@@ -49,7 +49,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--variant", help="NAME, NAME.TAG or a YAML variant file (default: the experiment's, a small ViT-S)"
     )
     weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", metavar="PATH", help="show the gammas of this .safetensors or .pth file")
+    weights.add_argument("--checkpoint", metavar="PATH", help="show the gammas of this checkpoint (file or folder)")
     weights.add_argument("--pretrained", action="store_true", help="show the gammas of the tag's Hub weights")
     parser.add_argument(
         "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="e.g. init_values=1e-6 depth=2"
