@@ -5,6 +5,7 @@ state (a nested dict of tensors and plain values), shards every tensor on dim 0 
 (what `fully_shard` does to parameters) and saves it with `torch.distributed.checkpoint` to OUT_DIR.
 """
 
+import os
 import sys
 
 import torch
@@ -28,8 +29,11 @@ def main() -> None:
     args = sys.argv[1:]
     for state_file, out in zip(args[::2], args[1::2]):
         dcp.save(shard(torch.load(state_file, weights_only=True)), storage_writer=dcp.FileSystemWriter(out))
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks' files are complete
 
 
 if __name__ == "__main__":
     main()
+    # Leave without tearing gloo down: its teardown at exit sometimes aborts ("terminate called without an
+    # active exception") after the work is done, which would fail a save that succeeded.
+    os._exit(0)
