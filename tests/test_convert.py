@@ -607,8 +607,6 @@ def test_a_model_without_a_bias_mask_loads_the_masked_bias(images):
 @torch.no_grad()
 def test_fold_layer_scale_is_recorded_by_timms_own_save(tmp_path, images):
     model = timm.create_model(VARIANT["mlp"], init_values=1e-5, num_classes=0, **TINY)
-    if not hasattr(model, "_model_args"):
-        pytest.skip("this timm records no model args on save")
     move_off_init_(model).eval()
     fold_layer_scale(model)
     timm.models.save_for_hf(model, str(tmp_path / "timm-save"), safe_serialization=True)

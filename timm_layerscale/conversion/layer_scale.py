@@ -183,8 +183,9 @@ def fold_layer_scale(model: nn.Module) -> nn.Module:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "replace"):
         model.config = config.replace(init_values=0)  # what a later save records
-    if isinstance(getattr(model, "_model_args", None), dict):  # what timm's own save_for_hf records
-        model._model_args["init_values"] = 0
+    recorded = getattr(model, "_model_args", None)
+    if isinstance(recorded, dict):  # what timm's own save_for_hf records; assigned, as it may be a property
+        model._model_args = {**recorded, "init_values": 0}
     return model
 
 
