@@ -118,14 +118,13 @@ def _requested_tag(variant: Variant, pretrained_cfg: Any) -> str | None:
     return next(iter(variant.tags), None)
 
 
-def _fixed_size_overlay(variant: Variant, kwargs: dict[str, Any], config: VitLsConfig) -> dict[str, Any]:
+def _fixed_size_overlay(cfg: PretrainedCfg, overlay: dict[str, Any] | None, config: VitLsConfig) -> dict[str, Any]:
     """A model without `dynamic_img_size` takes one input size, its `img_size`: its pretrained cfg says so, so
     that timm's `resolve_data_config` + `create_transform` make inputs it accepts. The channel count stays
     the weights' (timm adapts the first conv from it)."""
-    overlay = kwargs.get("pretrained_cfg_overlay") or {}
-    channels = (resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay).input_size or (3,))[0]
+    channels = (cfg.input_size or (3,))[0]
     height, width = (config.img_size, config.img_size) if isinstance(config.img_size, int) else config.img_size
-    return {**overlay, "input_size": (channels, height, width), "fixed_input_size": True}
+    return {**(overlay or {}), "input_size": (channels, height, width), "fixed_input_size": True}
 
 
 def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) -> VisionTransformerLS:
@@ -134,13 +133,14 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
     # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
     config = VitLsConfig.from_dict({k: v for k, v in model_kwargs.items() if k in VitLsConfig.field_names()})
+    overlay = kwargs.get("pretrained_cfg_overlay")
+    cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay)
     if not config.dynamic_img_size:
-        model_kwargs["pretrained_cfg_overlay"] = _fixed_size_overlay(variant, model_kwargs, config)
+        model_kwargs["pretrained_cfg_overlay"] = _fixed_size_overlay(cfg, overlay, config)
     model_cls = VisionTransformerLS
     if pretrained:
         # Built and loaded in one step, streamed into a model on the meta device (loading.py); timm's builder
         # still fills in its arguments, records the pretrained cfg and wraps features_only models afterwards.
-        cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), kwargs.get("pretrained_cfg_overlay"))
         model_cls = partial(load_pretrained, cfg.to_dict(), kwargs.get("cache_dir"))
     return build_model_with_cfg(
         model_cls,
