@@ -12,7 +12,6 @@ Range requests); its partial `.incomplete` file is removed when they fail and is
 
 from __future__ import annotations
 
-import json
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +31,7 @@ from timm.models._pretrained import PretrainedCfg
 from torch import nn
 
 from .conversion.errors import CheckpointError, reason
+from .conversion.reader import read_index
 from .conversion.targets import WEIGHTS_FILE, save_native
 
 __all__ = ["OFFICIAL_SUFFIX", "HubError", "hub_weights", "model_card", "push_to_hub", "save_for_hub"]
@@ -187,10 +187,7 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
 
 def _download_shards(repo_id: str, index: Path, cache_dir: str | Path | None, ungated: str) -> None:
     """Every shard of a cached index, from the same revision (the index's snapshot folder)."""
-    try:
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise HubError(f"{repo_id}'s {index.name} is not a weights index ({reason(exc)})") from None
+    shards = sorted(set(read_index(index).values()))
     revision = index.parent.name
     for shard in shards:
         try:

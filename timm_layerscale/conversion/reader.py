@@ -323,7 +323,8 @@ def _flat_dcp(folder: Path) -> _Flat:
     return _Flat(KIND_DCP, infos, read, (folder,))
 
 
-def _flat_index(index: Path) -> _Flat:
+def read_index(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's weight map, {key: shard file}, each shard checked to lie beside the index."""
     try:
         data = json.loads(index.read_text())
     except (ValueError, OSError) as exc:
@@ -331,10 +332,16 @@ def _flat_index(index: Path) -> _Flat:
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index} has no weight_map of keys to shard files; pass a sharded checkpoint's index")
-    shards: dict[str, _Flat] = {}
     for name in dict.fromkeys(weight_map.values()):
         if not isinstance(name, str) or ".." in Path(name).parts or Path(name).is_absolute():
             raise CheckpointError(f"{index} names shard {name!r} outside its folder; the index is corrupt")
+    return weight_map
+
+
+def _flat_index(index: Path) -> _Flat:
+    weight_map = read_index(index)
+    shards: dict[str, _Flat] = {}
+    for name in dict.fromkeys(weight_map.values()):
         shard = index.parent / name
         if not shard.is_file():
             raise CheckpointError(f"{index} names shard {name}, which is missing; download every shard it lists")
