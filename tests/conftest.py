@@ -6,12 +6,16 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 import timm_layerscale  # noqa: F401  (registers the variants)
+from timm_layerscale.layers import swiglu_hidden_features
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Small widths and depths built by the same variant rules as the released shapes.
 TINY = dict(embed_dim=64, num_heads=4, depth=2)
+VARIANT = {"mlp": "vit_ls_small_patch16_dinov3", "swiglu": "vit_ls_small_plus_patch16_dinov3"}
+EVA = {"mlp": "vit_small_patch16_dinov3_qkvb", "swiglu": "vit_small_plus_patch16_dinov3_qkvb"}
 
 
 @torch.no_grad()
@@ -34,6 +38,24 @@ def move_off_init_(model: nn.Module, seed: int = 0) -> nn.Module:
         else:
             param.copy_(torch.randn(param.shape, generator=generator))
     return model
+
+
+def transformers_reference(ffn: str = "mlp") -> DINOv3ViTModel:
+    """transformers' own DINOv3 at TINY size, MLP or SwiGLU, moved off its init."""
+    gated = ffn == "swiglu"
+    dim = TINY["embed_dim"]
+    config = DINOv3ViTConfig(
+        hidden_size=dim,
+        num_attention_heads=TINY["num_heads"],
+        num_hidden_layers=TINY["depth"],
+        intermediate_size=swiglu_hidden_features(dim, 6, 8) if gated else dim * 4,
+        use_gated_mlp=gated,
+        hidden_act="silu" if gated else "gelu",
+        num_register_tokens=4,
+        layerscale_value=1e-5,
+    )
+    torch.manual_seed(0)
+    return move_off_init_(DINOv3ViTModel(config)).eval()
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import FIXTURES, TINY, max_diff, move_off_init_
+from conftest import EVA, FIXTURES, TINY, VARIANT, max_diff, move_off_init_, transformers_reference
 from hub_server import LocalHub, hub_env
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import DINOv3ViTConfig, DINOv3ViTModel
+from transformers import DINOv3ViTModel
 
 from timm_layerscale import (
     CheckpointError,
@@ -35,11 +35,8 @@ from timm_layerscale.conversion.convert import expected_state, resolve_model
 from timm_layerscale.conversion.layouts import LAYER_SCALE_SPELLINGS, META, TIMM_EVA, TRANSFORMERS
 from timm_layerscale.conversion.reader import LazyCheckpoint, TensorInfo, open_checkpoint
 from timm_layerscale.conversion.targets import save_native
-from timm_layerscale.layers import swiglu_hidden_features
 from timm_layerscale.variants import VARIANTS
 
-VARIANT = {"mlp": "vit_ls_small_patch16_dinov3", "swiglu": "vit_ls_small_plus_patch16_dinov3"}
-EVA = {"mlp": "vit_small_patch16_dinov3_qkvb", "swiglu": "vit_small_plus_patch16_dinov3_qkvb"}
 KWARGS = dict(TINY)
 
 
@@ -48,22 +45,6 @@ def ours(ffn: str = "mlp", **kwargs) -> VisionTransformerLS:
     torch.manual_seed(0)
     model = timm.create_model(VARIANT[ffn], rope_periods_bf16=False, num_classes=0, **TINY, **kwargs)
     return move_off_init_(model).eval()
-
-
-def transformers_model(ffn: str = "mlp") -> DINOv3ViTModel:
-    gated = ffn == "swiglu"
-    dim = TINY["embed_dim"]
-    config = DINOv3ViTConfig(
-        hidden_size=dim,
-        num_attention_heads=TINY["num_heads"],
-        num_hidden_layers=TINY["depth"],
-        intermediate_size=swiglu_hidden_features(dim, 6, 8) if gated else dim * 4,
-        use_gated_mlp=gated,
-        hidden_act="silu" if gated else "gelu",
-        num_register_tokens=4,
-    )
-    torch.manual_seed(0)
-    return move_off_init_(DINOv3ViTModel(config)).eval()
 
 
 def eva_model(ffn: str = "mlp") -> torch.nn.Module:
@@ -86,7 +67,7 @@ def make_source(kind: str, root: Path, ffn: str = "mlp"):
         save_native(model, root / "native")
         return root / "native" / "model.safetensors", model.forward_features
     if kind == "hf":
-        model = transformers_model(ffn)
+        model = transformers_reference(ffn)
         model.save_pretrained(root / "hf-src")
         return root / "hf-src" / "model.safetensors", lambda x: model(pixel_values=x).last_hidden_state
     model = eva_model(ffn)
@@ -520,7 +501,7 @@ def test_rename_layer_scale_refuses_ambiguity():
         rename_layer_scale({}, "ls_N")
     with pytest.raises(ValueError, match="under two spellings"):
         rename_layer_scale({"blocks.0.ls1.gamma": 0, "blocks.0.gamma_1": 1}, "lsN.gamma")
-    hf = transformers_model().state_dict()
+    hf = transformers_reference().state_dict()
     assert sum(k.endswith("ls1.gamma") for k in rename_layer_scale(hf, "lsN.gamma")) == TINY["depth"]
 
 
@@ -580,7 +561,7 @@ def test_imported_qkv_biases_keep_metas_conventions(tmp_path):
 
 @torch.no_grad()
 def test_a_transformers_k_bias_is_read_back(tmp_path, images):
-    model = transformers_model()
+    model = transformers_reference()
     model.config.key_bias = True
     with_k = DINOv3ViTModel(model.config).eval()
     with_k.load_state_dict(model.state_dict(), strict=False)

@@ -8,32 +8,9 @@ The references compute RoPE periods in fp32 without Meta's bf16 rounding, so our
 import pytest
 import timm
 import torch
-from conftest import TINY, max_diff, move_off_init_
+from conftest import EVA, TINY, VARIANT, max_diff, move_off_init_, transformers_reference
 from safetensors.torch import load_file, save_file
 from timm.models import load_checkpoint
-from transformers import DINOv3ViTConfig, DINOv3ViTModel
-
-from timm_layerscale.layers import swiglu_hidden_features
-
-VARIANT = {"mlp": "vit_ls_small_patch16_dinov3", "swiglu": "vit_ls_small_plus_patch16_dinov3"}
-EVA = {"mlp": "vit_small_patch16_dinov3_qkvb", "swiglu": "vit_small_plus_patch16_dinov3_qkvb"}
-
-
-def transformers_reference(ffn: str) -> DINOv3ViTModel:
-    gated = ffn == "swiglu"
-    dim = TINY["embed_dim"]
-    config = DINOv3ViTConfig(
-        hidden_size=dim,
-        num_attention_heads=TINY["num_heads"],
-        num_hidden_layers=TINY["depth"],
-        intermediate_size=swiglu_hidden_features(dim, 6, 8) if gated else dim * 4,
-        use_gated_mlp=gated,
-        hidden_act="silu" if gated else "gelu",
-        num_register_tokens=4,
-        layerscale_value=1e-5,
-    )
-    torch.manual_seed(0)
-    return move_off_init_(DINOv3ViTModel(config)).eval()
 
 
 def eva_reference(ffn: str) -> torch.nn.Module:
