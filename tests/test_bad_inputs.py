@@ -21,10 +21,10 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from timm_layerscale.checkpoints import CheckpointError
+from timm_layerscale.checkpoints.errors import reason
+from timm_layerscale.checkpoints.reader import open_checkpoint
 from timm_layerscale.cli import main
-from timm_layerscale.conversion import CheckpointError
-from timm_layerscale.conversion.errors import reason
-from timm_layerscale.conversion.reader import open_checkpoint
 
 NAME = "vit_ls_small_patch16_dinov3"
 ASSETS = Path(__file__).resolve().parent.parent / "timm_layerscale" / "assets"

@@ -31,10 +31,10 @@ from timm_layerscale import (
     fold_layer_scale,
     rename_layer_scale,
 )
-from timm_layerscale.conversion.convert import expected_state, resolve_model
-from timm_layerscale.conversion.layouts import LAYER_SCALE_SPELLINGS, META, TIMM_EVA, TRANSFORMERS
-from timm_layerscale.conversion.reader import LazyCheckpoint, TensorInfo, open_checkpoint
-from timm_layerscale.conversion.targets import save_native
+from timm_layerscale.checkpoints.layouts import LAYER_SCALE_SPELLINGS, META, TIMM_EVA, TRANSFORMERS
+from timm_layerscale.checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
+from timm_layerscale.convert import expected_state, resolve_model
+from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
 
 KWARGS = dict(TINY)

@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from timm.models import save_for_hf
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-from timm_layerscale.conversion import CheckpointError
-from timm_layerscale.conversion.dcp import read_metadata
-from timm_layerscale.conversion.reader import TRAINING_STATE, TensorInfo, open_checkpoint
+from timm_layerscale.checkpoints import CheckpointError
+from timm_layerscale.checkpoints.dcp import read_metadata
+from timm_layerscale.checkpoints.reader import TRAINING_STATE, TensorInfo, open_checkpoint
 
 NAME = "vit_ls_small_patch16_dinov3"
 ITERATION = 199
@@ -499,7 +499,7 @@ def mapped_ranges(path) -> list[range]:
 
 def test_safetensors_files_too_large_to_map_are_read_tensor_by_tensor(tmp_path):
     """The fallback for a file the kernel will not map whole (a 27 GB 7B on a 24 GB machine) reads the same."""
-    from timm_layerscale.conversion.reader import _flat_safetensors_read
+    from timm_layerscale.checkpoints.reader import _flat_safetensors_read
 
     tensors = {
         "a": torch.randn(3, 5),

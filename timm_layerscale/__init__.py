@@ -3,18 +3,21 @@
 Importing the package registers the `vit_ls_*` variants: `timm.create_model("vit_ls_base_patch16_dinov3")`.
 """
 
-from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
-from .conversion import (
+from .checkpoints import (
     CheckpointError,
     checkpoint_filter_fn,
-    convert_checkpoint,
     convert_state_dict,
     fold_layer_scale,
+    open_checkpoint,
     rename_layer_scale,
 )
+from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
+from .convert import convert_checkpoint
 from .fsdp import shard_model
-from .hub import HubError, hub_weights, push_to_hub, save_for_hub
+from .hub import HubError, hub_weights
+from .loading import load_pretrained as _installs_the_pretrained_loader  # noqa: F401
 from .model import VisionTransformerLS
+from .publish import push_to_hub, save_for_hub, save_native
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
 
 __version__ = "0.1.0"
@@ -32,11 +35,13 @@ __all__ = [
     "convert_state_dict",
     "fold_layer_scale",
     "hub_weights",
+    "open_checkpoint",
     "push_to_hub",
     "register_variant",
     "rename_layer_scale",
     "resolve_init_values",
     "save_for_hub",
+    "save_native",
     "shard_model",
 ]
 

@@ -1,18 +1,14 @@
-"""Hub weights in, models out: a pretrained cfg's Hub repo as local files, and a model as a Hub repo.
+"""Hub weights in: a pretrained cfg's Hub repo as local files, with one-line errors.
 
 `hub_weights` turns a tag's `hf_hub_id` (or an `hf-hub:` name) into local weights, downloaded and cached
 by huggingface_hub as usual: one file, or a sharded repo's index with every shard beside it. What can go
 wrong on the way (a gated repo, a missing file, a cut download, no network, offline with nothing cached)
 is one `HubError` line naming the fix. A cut download is resumed by huggingface_hub's own retries (HTTP
 Range requests); its partial `.incomplete` file is removed when they fail and is never returned.
-
-`save_for_hub` and `push_to_hub` write and upload a model as the `native` conversion target does: one
-`model.safetensors`, timm's `config.json` with every model argument, and a model card.
 """
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,19 +24,18 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from timm.models._pretrained import PretrainedCfg
-from torch import nn
 
-from .conversion.errors import CheckpointError, reason
-from .conversion.reader import read_index
-from .conversion.targets import WEIGHTS_FILE, save_native
+from .checkpoints.errors import CheckpointError, reason
+from .checkpoints.reader import read_index
+from .checkpoints.targets import WEIGHTS_FILE
+from .variants import VARIANTS
 
-__all__ = ["OFFICIAL_SUFFIX", "HubError", "hub_weights", "model_card", "push_to_hub", "save_for_hub"]
+__all__ = ["OFFICIAL_SUFFIX", "HubError", "hub_weights"]
 
 # A repo's weights, in the order tried when the cfg names no file: one file, else a sharded index.
 WEIGHT_FILES = (WEIGHTS_FILE, f"{WEIGHTS_FILE}.index.json")
 # Tags of Meta's official (gated) transformers repos: `<weights>_facebook` beside timm's ungated `<weights>`.
 OFFICIAL_SUFFIX = "_facebook"
-LICENSE_URL = "https://ai.meta.com/resources/models-and-libraries/dinov3-license/"
 
 
 class HubError(CheckpointError):
@@ -61,8 +56,6 @@ def _hub_source(source: str | Mapping[str, Any] | PretrainedCfg) -> tuple[str, s
 
 
 def _ungated_tag(cfg: Mapping[str, Any]) -> str:
-    from .variants import VARIANTS
-
     name, tag = cfg.get("architecture") or "", cfg.get("tag") or ""
     ungated = tag.removesuffix(OFFICIAL_SUFFIX)
     variant = VARIANTS.get(name)
@@ -147,7 +140,7 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
     is taken, else its `model.safetensors.index.json`.
 
     Returns a weights file, or for a sharded repo its index, with every shard downloaded beside it
-    (`conversion.reader.open_checkpoint` reads either). Files come from huggingface_hub's cache when there
+    (`checkpoints.open_checkpoint` reads either). Files come from huggingface_hub's cache when there
     (offline too, `HF_HUB_OFFLINE=1`), else are downloaded into it; `cache_dir` overrides the cache folder.
 
     Raises `HubError` (a `CheckpointError`) with one line: a gated repo without access (how to get it, and
@@ -198,103 +191,3 @@ def _download_shards(repo_id: str, index: Path, cache_dir: str | Path | None, un
             raise HubError(f"{repo_id}'s {index.name} names {shard}, which the repo does not have (HTTP 404)") from None
         except Exception as exc:
             raise _no_download(repo_id, shard, revision, ungated, exc) from exc
-
-
-# ----------------------------------------------------------------------------------------------- publishing
-
-
-def model_card(model: nn.Module, repo_id: str | None = None) -> str:
-    """README.md for a saved model: the DINOv3 licence, the architecture and its LayerScale settings."""
-    config = model.config
-    cfg = dict(getattr(model, "pretrained_cfg", None) or {})
-    name = repo_id or cfg.get("architecture") or type(model).__name__
-    init = config.layer_init_values
-    on = sum(v is not None for pair in init for v in pair)
-    values = sorted({v for pair in init for v in pair if v is not None})
-    gammas = [m.gamma.detach().float() for m in model.modules() if hasattr(m, "gamma")]
-    if gammas:
-        flat = [g.abs().mean().item() for g in gammas]
-        trained = f"gammas |mean| from {min(flat):.4g} to {max(flat):.4g} across branches"
-    else:
-        trained = "no gammas (LayerScale off or folded into the projections)"
-    start = f"init values {', '.join(f'{v:g}' for v in values)}" if values else "off"
-    load = (
-        f'timm.create_model("hf-hub:{repo_id}", pretrained=True)'
-        if repo_id
-        else ('timm.create_model("local-dir:FOLDER", pretrained=True)')
-    )
-    return "\n".join(
-        [
-            "---",
-            "library_name: timm",
-            "tags: [image-feature-extraction, timm, timm-layerscale, dinov3]",
-            "license: other",
-            "license_name: dinov3-license",
-            f"license_link: {LICENSE_URL}",
-            "---",
-            f"# {name}",
-            "",
-            f"A DINOv3-style Vision Transformer with LayerScale (timm-layerscale), architecture "
-            f"`{cfg.get('architecture') or type(model).__name__}`: {config.embed_dim} wide, {config.depth} blocks, "
-            f"{config.num_heads} heads, {config.ffn_layer} FFN, {config.num_classes} classes "
-            f"(global pool `{config.global_pool or 'none'}`).",
-            "",
-            "## LayerScale",
-            "",
-            f"- on {on} of {2 * config.depth} branches; {start}",
-            f"- {trained}",
-            "",
-            "## Use",
-            "",
-            "```python",
-            "import timm  # with timm-layerscale installed",
-            "",
-            f"model = {load}",
-            "```",
-            "",
-            "`config.json` carries every model argument, so any timm from 1.0.26 rebuilds the model.",
-            "",
-            "## Licence",
-            "",
-            f"The weights derive from Meta's DINOv3 and are released under the DINOv3 License ({LICENSE_URL}).",
-            "",
-        ]
-    )
-
-
-def save_for_hub(model: nn.Module, folder: str | Path, overwrite: bool = False, repo_id: str | None = None) -> Path:
-    """Writes `model` as a Hub repo folder: `model.safetensors`, timm's `config.json` naming a shipped
-    architecture with every model argument (a YAML variant of one's own rebuilds without its YAML), and a
-    `README.md` model card with the DINOv3 licence and the LayerScale settings.
-
-    `timm.create_model("local-dir:FOLDER", pretrained=True)`, or `hf-hub:REPO` once uploaded, rebuilds the
-    same model with the same weights; after `fold_layer_scale` it rebuilds without LayerScale. An existing
-    folder is kept unless `overwrite`; the folder appears complete or not at all.
-    """
-    return save_native(model, folder, overwrite, extra_files={"README.md": model_card(model, repo_id)})
-
-
-def push_to_hub(
-    model: nn.Module,
-    repo_id: str,
-    *,
-    commit_message: str = "Add model",
-    private: bool | None = None,
-    token: str | None = None,
-    revision: str | None = None,
-    create_pr: bool = False,
-) -> str:
-    """Uploads `model` as `save_for_hub` writes it to the Hub repo `repo_id` (created if missing) and
-    returns the commit URL; `timm.create_model(f"hf-hub:{repo_id}", pretrained=True)` rebuilds it."""
-    api = huggingface_hub.HfApi(token=token)
-    repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = save_for_hub(model, Path(tmp) / "repo", repo_id=repo_url.repo_id)
-        commit = api.upload_folder(
-            repo_id=repo_url.repo_id,
-            folder_path=folder,
-            commit_message=commit_message,
-            revision=revision,
-            create_pr=create_pr,
-        )
-    return str(commit)

@@ -20,9 +20,9 @@ import torch
 from timm.models import adapt_input_conv
 from tqdm.auto import tqdm
 
-from .conversion import CheckpointError, log_report, plan_load
-from .conversion.plan import Plan, Step, passthrough
-from .conversion.reader import open_checkpoint
+from . import variants
+from .checkpoints import CheckpointError, log_report, open_checkpoint, plan_load
+from .checkpoints.plan import Plan, Step, passthrough
 from .hub import hub_weights
 from .model import VisionTransformerLS
 
@@ -139,3 +139,6 @@ def load_pretrained(
         fitted.plan.release()
     log_report(fitted.report(f"loaded a {fitted.layout} checkpoint"))
     return model
+
+
+variants.set_pretrained_loader(load_pretrained)

@@ -1,7 +1,7 @@
 """The model family: DINOv3-style ViT with LayerScale, RoPE and storage tokens, with timm's model API.
 
 Parameter and buffer names are Meta's, so a Meta DINOv3 state dict is this model's native layout;
-other layouts are converted on load by `timm_layerscale.conversion`.
+other layouts are converted on load by `timm_layerscale.checkpoints`.
 """
 
 from collections.abc import Sequence
@@ -16,8 +16,8 @@ from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .checkpoints.load_hook import install_load_hook
 from .config import TRAINING_SWITCHES, VitLsConfig
-from .conversion import install_load_hook
 from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor]

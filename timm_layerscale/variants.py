@@ -8,6 +8,7 @@ file the same way; `base:` starts from a registered variant.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -20,7 +21,6 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from .config import VitLsConfig
-from .loading import load_pretrained
 from .model import VisionTransformerLS
 
 __all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
@@ -31,6 +31,10 @@ VARIANTS: dict[str, Variant] = {}
 
 TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
 TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
+# Builds a model with pretrained weights: (pretrained cfg, cache_dir, **model args) -> model. Loading sits above
+# the registry and installs itself here on import (loading.py), so the registry never imports upward.
+PretrainedLoader = Callable[..., VisionTransformerLS]
+_pretrained_loader: PretrainedLoader | None = None
 FEATURE_BLOCKS = 4  # features_only returns the last four blocks (or all, if fewer) unless out_indices says
 
 
@@ -141,7 +145,9 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
     if pretrained:
         # Built and loaded in one step, streamed into a model on the meta device (loading.py); timm's builder
         # still fills in its arguments, records the pretrained cfg and wraps features_only models afterwards.
-        model_cls = partial(load_pretrained, cfg.to_dict(), kwargs.get("cache_dir"))
+        if _pretrained_loader is None:
+            raise RuntimeError("pretrained loading is not installed: import timm_layerscale, not only its registry")
+        model_cls = partial(_pretrained_loader, cfg.to_dict(), kwargs.get("cache_dir"))
     return build_model_with_cfg(
         model_cls,
         variant.name,
@@ -190,6 +196,12 @@ def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
         return sum(values.get(k) != v for k, v in variant.model_args.items())
 
     return min(sorted(shipped), key=lambda n: differing(shipped[n]))
+
+
+def set_pretrained_loader(loader: PretrainedLoader) -> None:
+    """Installs the function that builds a variant with pretrained weights (`pretrained=True`)."""
+    global _pretrained_loader
+    _pretrained_loader = loader
 
 
 def register_builtin_variants() -> None:

@@ -18,7 +18,7 @@ import timm
 import torch
 
 from .. import __version__
-from ..conversion import CheckpointError
+from ..checkpoints import CheckpointError
 from . import ablate, convert, demo, inspection, listing, run
 from .common import CliError
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..conversion.convert import DTYPES, WEIGHTS, convert_checkpoint
-from ..conversion.reader import open_checkpoint
-from ..conversion.targets import TARGETS
+from ..checkpoints.reader import open_checkpoint
+from ..checkpoints.targets import TARGETS
+from ..convert import DTYPES, WEIGHTS, convert_checkpoint
 from .common import CliError, parse_model_kwargs
 
 EPILOG = """examples:

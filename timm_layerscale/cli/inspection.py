@@ -20,7 +20,7 @@ import torch
 from huggingface_hub import constants
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-from ..conversion.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
+from ..checkpoints.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, find_gamma_keys, gamma_stats
 from ..variants import VARIANTS
 from .common import CliError, hub_unreachable, is_variant_file, parse_model_kwargs, quiet_hub

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from timm.models import get_pretrained_cfg
 
-from ..config import VitLsConfig, resolve_init_values
-from .errors import CheckpointError
-from .fit import fit_to_model
-from .layer_scale import GAMMA_KEY
-from .layouts import detect_layout, effective_qkv_bias
-from .plan import Plan, cast_plan
-from .reader import LazyCheckpoint, TensorInfo, open_checkpoint
-from .targets import (
+from .checkpoints.errors import CheckpointError
+from .checkpoints.fit import fit_to_model
+from .checkpoints.layer_scale import GAMMA_KEY
+from .checkpoints.layouts import detect_layout, effective_qkv_bias
+from .checkpoints.plan import Plan, cast_plan
+from .checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
+from .checkpoints.targets import (
     CONFIG_FILE,
     EVA_ARCHITECTURES,
     OUTPUT_CHANGING,
@@ -42,7 +42,7 @@ from .targets import (
     with_all_gammas,
     write_native_files,
 )
-from .writers import (
+from .checkpoints.writers import (
     Progress,
     atomic_destination,
     write_safetensors,
@@ -50,6 +50,9 @@ from .writers import (
     write_text,
     write_torch_file,
 )
+from .config import VitLsConfig, resolve_init_values
+from .model import VisionTransformerLS
+from .variants import VARIANTS, builtin_architecture, load_variant
 
 Tensor = torch.Tensor
 WEIGHTS = ("auto", "ema", "raw")
@@ -254,8 +257,6 @@ def _export(
     """The target's tensors (its table run over the native plan), how to write them, and what it drops."""
     config = resolved.config
     if to == "native":
-        from ..variants import builtin_architecture
-
         architecture = builtin_architecture(resolved.name, config)
         return _Export(
             tensors,
@@ -321,8 +322,6 @@ def _bias_parts(tensors: Mapping[str, Tensor], depth: int) -> tuple[bool, list[i
 
 @functools.lru_cache(maxsize=32)
 def _expected(config_json: str) -> dict[str, Tensor]:
-    from ..model import VisionTransformerLS
-
     return VisionTransformerLS(VitLsConfig.from_dict(json.loads(config_json)), device="meta").state_dict()
 
 
@@ -384,8 +383,6 @@ def resolve_model(
 ) -> ResolvedModel:
     """The variant and full config for a checkpoint in native keys: `model` if given, else the registered
     variant its shapes match (with the Hub config's architecture where the folder has one)."""
-    from ..variants import VARIANTS, load_variant
-
     hinted, hub_kwargs, hub_pretrained = hub_model_kwargs(hub_config or {})
     variants, tag = dict(VARIANTS), None
     if model and model.endswith((".yaml", ".yml")):
@@ -450,8 +447,6 @@ def _first_init_value(args: Mapping[str, Any]) -> float:
 
 
 def _pretrained_cfg(name: str, tag: str | None) -> dict[str, Any]:
-    from timm.models import get_pretrained_cfg
-
     cfg = get_pretrained_cfg(f"{name}.{tag}" if tag else name)
     values = cfg.to_dict() if cfg is not None else {}
     if not tag:
@@ -464,8 +459,6 @@ def _pretrained_cfg(name: str, tag: str | None) -> dict[str, Any]:
 
 def hub_model_kwargs(cfg: Mapping[str, Any]) -> tuple[str | None, dict[str, Any], dict[str, Any] | None]:
     """From a Hub folder's config.json: the variant it names (if ours), model args, and pretrained cfg."""
-    from ..variants import VARIANTS
-
     fields = set(VitLsConfig.field_names())
     architecture = cfg.get("architecture")
     model_args = dict(cfg.get("model_args") or {})

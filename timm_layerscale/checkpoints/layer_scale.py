@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..layers import LayerScale
 from .errors import CheckpointError
 from .plan import Step
 from .reader import TensorInfo
@@ -167,8 +168,6 @@ def fold_layer_scale(model: nn.Module) -> nn.Module:
     Outputs stay the same (up to float rounding); the model gets a little faster and loses its gammas.
     Works on this package's models and on any model whose blocks use the same names.
     """
-    from ..layers import LayerScale
-
     for block in model.modules():
         for ls_name, proj_names in (("ls1", ("attn.proj",)), ("ls2", ("mlp.fc2", "mlp.w3"))):
             layer_scale = getattr(block, ls_name, None)

@@ -1,10 +1,9 @@
-"""file -> layout -> mapping -> load: every checkpoint layout becomes this model's own state dict; and
-model/file -> plan -> target table -> writer: `convert_checkpoint` writes any of them in another layout.
+"""file -> layout -> mapping -> load: every checkpoint layout becomes a model's own state dict.
 
-Both run on the same per-layout key tables (`layouts.py`) and fitting rules (`fit.py`), planned from
-shapes and read one tensor at a time. `plan_load` plans every load: pretrained loading streams its plan
-into a model on the meta device (`timm_layerscale.loading`), and `convert_state_dict` runs it for a
-`load_state_dict` pre-hook on every model, because `timm.models.load_checkpoint`, `checkpoint_path=`,
+`plan_load` plans every load from shapes, on the per-layout key tables (`layouts.py`) and fitting rules
+(`fit.py`), reading one tensor at a time: pretrained loading streams its plan into a model on the meta
+device (`timm_layerscale.loading`), and `convert_state_dict` runs it for a `load_state_dict` pre-hook on
+every model, because `timm.models.load_checkpoint`, `checkpoint_path=`,
 train.py's `--initial-checkpoint` and validate.py's `--checkpoint` load without any filter (and for
 `checkpoint_filter_fn`, for code that calls timm's own `load_pretrained`).
 """
@@ -17,26 +16,12 @@ from typing import Any
 
 from torch import nn
 
-from .convert import Conversion, convert_checkpoint
-from .errors import CheckpointError
 from .fit import Fitted, fit_to_model
-from .layer_scale import fold_layer_scale
-from .layouts import StateDict, detect_layout, rename_layer_scale
+from .layouts import StateDict, detect_layout
 from .plan import Plan
 from .reader import LazyCheckpoint, open_checkpoint
 
-__all__ = [
-    "CheckpointError",
-    "Conversion",
-    "checkpoint_filter_fn",
-    "convert_checkpoint",
-    "convert_state_dict",
-    "fold_layer_scale",
-    "install_load_hook",
-    "log_report",
-    "plan_load",
-    "rename_layer_scale",
-]
+__all__ = ["checkpoint_filter_fn", "convert_state_dict", "install_load_hook", "log_report", "plan_load"]
 
 _logger = logging.getLogger("timm_layerscale")
 

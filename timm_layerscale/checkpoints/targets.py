@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..config import VitLsConfig
 from ..layers import swiglu_hidden_features
@@ -130,23 +129,6 @@ def write_native_files(
 ) -> None:
     write_safetensors(folder / WEIGHTS_FILE, tensors, progress=progress)
     write_text(folder / CONFIG_FILE, json.dumps(native_config(config, architecture, pretrained_cfg), indent=2))
-
-
-def save_native(
-    model: nn.Module, folder: str | Path, overwrite: bool = False, extra_files: Mapping[str, str] | None = None
-) -> Path:
-    """Saves a live vit_ls model as a folder that `timm.create_model("local-dir:FOLDER", pretrained=True)`
-    (or `hf-hub:` once uploaded) rebuilds exactly, LayerScale settings included (after `fold_layer_scale`
-    the folder records LayerScale off)."""
-    from ..variants import builtin_architecture
-
-    config = model.config
-    pretrained_cfg = dict(getattr(model, "pretrained_cfg", None) or {})
-    architecture = builtin_architecture(pretrained_cfg.get("architecture"), config)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
-    return write_native_folder(
-        Path(folder), state, config, architecture, pretrained_cfg, overwrite, extra_files=extra_files
-    )
 
 
 # -------------------------------------------------------------------------------------------- timm eva

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layers import RopeEmbedding
 from .errors import CheckpointError
 from .layer_scale import GAMMA_KEY, LayerScalePlan, plan_layer_scale, suspicious_gammas
 from .layouts import effective_qkv_bias
@@ -146,8 +147,6 @@ def own_value(key: str, target: Tensor, config) -> Tensor:
         mask[third : 2 * third] = 0.0
         return mask
     if key.endswith("rope_embed.periods"):
-        from ..layers import RopeEmbedding
-
         rope = RopeEmbedding(config.head_dim, base=config.rope_base, round_periods_to_bf16=config.rope_periods_bf16)
         return rope.periods.detach().clone()
     if key == "head.weight":
