@@ -13,6 +13,7 @@ from .checkpoints import (
 )
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .convert import convert_checkpoint
+from .export import export_onnx
 from .fsdp import shard_model
 from .hub import HubError, hub_weights
 from .loading import load_pretrained as _installs_the_pretrained_loader  # noqa: F401
@@ -33,6 +34,7 @@ __all__ = [
     "config_dir",
     "convert_checkpoint",
     "convert_state_dict",
+    "export_onnx",
     "fold_layer_scale",
     "hub_weights",
     "open_checkpoint",

@@ -27,8 +27,8 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 def patch_grid(image: torch.Tensor, patch_size: int, pad: bool) -> tuple[int, int]:
     """Patches per side of `image`, padded up when `pad`, else an error for a side that is not a multiple."""
     height, width = image.shape[-2], image.shape[-1]
-    if pad:
-        return -(-height // patch_size), -(-width // patch_size)
+    if pad:  # ceil without a negative floor division: ONNX's integer Div truncates, so -(-h // p) exports wrong
+        return (height + patch_size - 1) // patch_size, (width + patch_size - 1) // patch_size
     if height < patch_size or width < patch_size:
         raise ValueError(
             f"input size {height}x{width} is smaller than the patch size {patch_size}: resize it to at least "

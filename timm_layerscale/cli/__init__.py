@@ -4,8 +4,8 @@
 `--checkpoint`/`--pretrained`, a model's real gammas); `timm-ls inspect` reads the gammas of any checkpoint,
 variant or timm model; `timm-ls ablate` compares init values on a deep, narrow ViT; `timm-ls list` lists
 the registered variants; `timm-ls run SCRIPT ARGS...` runs a timm script (train.py, validate.py, ...) with
-the variants registered; `timm-ls convert SRC DST --to ...` converts a checkpoint between layouts. Each
-command is one module here; `timm-ls --debug ...` shows tracebacks.
+the variants registered; `timm-ls convert SRC DST --to ...` converts a checkpoint between layouts; `timm-ls
+export SRC DST.onnx` exports to ONNX. Each command is one module here; `timm-ls --debug ...` shows tracebacks.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from .. import __version__
 from ..checkpoints import CheckpointError
-from . import ablate, convert, demo, inspection, listing, run
+from . import ablate, convert, demo, export, inspection, listing, run
 from .common import CliError
 
 COMMANDS = {
@@ -29,6 +29,7 @@ COMMANDS = {
     "list": listing,
     "run": run,
     "convert": convert,
+    "export": export,
 }
 DEFAULT_COMMAND = "demo"
 
