@@ -38,9 +38,10 @@ SIZES = [(32, 32), (32, 64), (64, 32)]  # square, wide, tall: 2x2, 2x4 and 4x2 p
 CLI = [sys.executable, "-m", "timm_layerscale.cli"]
 # Standard ONNX ops that ONNX Runtime and TensorRT both run; RoPE is Sin/Cos, attention MatMul/Softmax.
 ACCEPTED_OPS = {
-    "Add", "Cast", "CastLike", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "Div", "Erf", "Expand", "Gather", "Gelu", "Identity",
-    "LayerNormalization", "MatMul", "Mod", "Mul", "Neg", "Pad", "Range", "ReduceMean", "Reshape", "Shape",
-    "Sigmoid", "Sin", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Transpose", "Unsqueeze",
+    "Add", "Cast", "CastLike", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "Div", "Erf", "Expand",
+    "Gather", "Gelu", "Identity", "LayerNormalization", "MatMul", "Mod", "Mul", "Neg", "Pad", "Range", "ReduceMean",
+    "Reshape", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Transpose",
+    "Unsqueeze",
 }  # fmt: skip
 
 
