@@ -85,7 +85,7 @@ def inference(args: argparse.Namespace) -> None:
     rows = [
         [
             "variant", "batch", "ours ORT ms", "eva ORT ms", "ours eager ms", "eva ORT / ours ORT [quartiles]",
-            "eager / ours ORT [quartiles]", "max rel err ours ORT / eva ORT vs eager",
+            "eager / ours ORT [quartiles]", "max rel err vs eager ours / eva",
         ]
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,10 +102,10 @@ def inference(args: argparse.Namespace) -> None:
                 x = torch.randn(batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0))
                 feed = {"pixel_values": x.numpy()}
                 with torch.inference_mode():
-                    want = ours(x)
+                    eager_out = {ORT_OURS: ours(x), ORT_EVA: eva(x)}  # each runtime against its own model
                 errors = [
-                    float(np.abs(rt.run(None, feed)[0] - want.numpy()).max() / want.abs().max())
-                    for rt in runtimes.values()
+                    float(np.abs(rt.run(None, feed)[0] - eager_out[name].numpy()).max() / eager_out[name].abs().max())
+                    for name, rt in runtimes.items()
                 ]
                 calls = {name: (lambda rt=rt, feed=feed: rt.run(None, feed)) for name, rt in runtimes.items()}
 
@@ -152,7 +152,7 @@ def write_random_7b(path: Path, depth: int) -> None:
     write_safetensors(path, Random.fromkeys(shapes))
 
 
-def export_child(checkpoint: str, dst: str) -> None:
+def export_child(checkpoint: str, dst: str, depth: str) -> None:
     """Runs in its own process: the export, then its time and the process's peak RssAnon as JSON."""
     peak, done = [rss_anon_mib()], threading.Event()
 
@@ -165,7 +165,10 @@ def export_child(checkpoint: str, dst: str) -> None:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    result = export_onnx(checkpoint, dst, model="vit_ls_7b_patch16_dinov3", dtype="fp16", overwrite=True)
+    kwargs = {"depth": int(depth)}
+    result = export_onnx(
+        checkpoint, dst, model="vit_ls_7b_patch16_dinov3", model_kwargs=kwargs, dtype="fp16", overwrite=True
+    )
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()
@@ -182,7 +185,7 @@ def export_7b(args: argparse.Namespace) -> None:
         write_random_7b(checkpoint, args.depth)
         print(f"wrote {checkpoint} ({checkpoint.stat().st_size / 1e9:.1f} GB) in {time.perf_counter() - start:.0f} s")
     child = subprocess.run(
-        [sys.executable, __file__, "--_export-child", str(checkpoint), str(dst)],
+        [sys.executable, __file__, "--_export-child", str(checkpoint), str(dst), str(args.depth)],
         capture_output=True,
         text=True,
         check=True,
@@ -217,7 +220,7 @@ def main() -> None:
     parser.add_argument("--export-7b", action="store_true", help="measure the 7B's export instead")
     parser.add_argument("--workdir", default="onnx-7b", help="where the 7B's checkpoint and export go")
     parser.add_argument("--depth", type=int, default=40, help="the 7B's depth (40; less to save disk)")
-    parser.add_argument("--_export-child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--_export-child", nargs=3, help=argparse.SUPPRESS)
     add_machine_args(parser)
     args = parser.parse_args()
     if args._export_child:

@@ -119,6 +119,20 @@ def test_the_check_fails_above_the_tolerance_and_leaves_nothing(tmp_path, monkey
     assert failed.value.rows and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    "dtype, worst, fails", [("fp32", 0.9e-4, False), ("fp32", 1.1e-4, True), ("fp16", 1.1e-2, True)]
+)
+def test_the_stated_tolerance_decides(dtype, worst, fails, tmp_path, monkeypatch):
+    row = export_module.CheckRow(32, 32, 1, "pooled", worst, worst)
+    monkeypatch.setattr(export_module, "check_onnx", lambda *args, **kwargs: [row])
+    if fails:
+        with pytest.raises(OnnxCheckError, match=f"tolerance {export_module.TOLERANCE[dtype]:g}"):
+            export_onnx(tiny(), tmp_path / "m.onnx", dtype=dtype, check=True)
+        assert os.listdir(tmp_path) == []
+    else:
+        assert export_onnx(tiny(), tmp_path / "m.onnx", dtype=dtype, check=True).check == [row]
+
+
 def test_the_check_sees_a_swapped_gamma(tmp_path):
     model = tiny()
     export_onnx(model, tmp_path / "m.onnx")
@@ -280,6 +294,8 @@ def test_external_data_is_written_beside_the_file_and_read_by_onnx_runtime(tmp_p
     proto = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
     assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
     assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data", "native"]
+    assert not any("gamma" in t.name for t in proto.graph.initializer)
+    assert metadata(tmp_path / "m.onnx")["layerscale_folded"] == "true"
     x = images(2, 48, 32)
     with torch.no_grad():
         want = model(x)  # with its gammas: the export folded them

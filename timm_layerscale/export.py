@@ -411,7 +411,7 @@ def _write_streamed(
             for key in names:
                 target = targets[key]
                 tensor = fitted.plan[key].to(dtype=target.dtype).contiguous()
-                array = tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor.view(torch.int16).numpy()
+                array = tensor.numpy()  # fp32 or fp16 (DTYPES), which numpy holds
                 if external:
                     offset += -offset % align
                     data.seek(offset)
@@ -541,6 +541,8 @@ def export_onnx(
     size = _parse_size(size, config)
     kind, blocks = parse_outputs(outputs, config.depth)
     names = output_names(kind, blocks)
+    if check and src.model is None:
+        _refuse_a_check_beyond_memory(config)
     cast = DTYPES[dtype]
     folded = fuse_layerscale or not any(v for pair in config.layer_init_values for v in pair)
     if fuse_layerscale:
@@ -598,6 +600,17 @@ def export_onnx(
                     rows,
                 )
     return result
+
+
+def _refuse_a_check_beyond_memory(config: VitLsConfig) -> None:
+    fp32 = sum(t.numel() for t in VisionTransformerLS(config, device="meta").state_dict().values()) * 4
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if fp32 > memory // 2:
+        raise ExportError(
+            f"--check compares with the PyTorch model in fp32 ({fp32 / 1e9:.1f} GB), more than half this machine's "
+            f"memory ({memory / 1e9:.1f} GB): export without --check, and check its graph at a reduced depth "
+            f"(timm-ls export NAME small.onnx --model-kwargs depth=1 --check)"
+        )
 
 
 def _reference_from_checkpoint(src: _Source, config: VitLsConfig) -> VisionTransformerLS:
