@@ -133,6 +133,16 @@ def test_the_stated_tolerance_decides(dtype, worst, fails, tmp_path, monkeypatch
         assert export_onnx(tiny(), tmp_path / "m.onnx", dtype=dtype, check=True).check == [row]
 
 
+def test_the_check_reports_errors_relative_to_the_outputs_scale(tmp_path):
+    model = tiny()
+    export_onnx(model, tmp_path / "m.onnx")
+    (row,) = check_onnx(tmp_path / "m.onnx", model, "pooled", [], batch=1, sizes=SIZES[:1])
+    x = torch.randn(1, 3, *SIZES[0], generator=torch.Generator().manual_seed(0))  # the check's own input
+    with torch.no_grad():
+        scale = model(x).abs().max().item()
+    assert scale > 1.5 and row.max_rel == pytest.approx(row.max_abs / scale, rel=1e-6)
+
+
 def test_the_check_sees_a_swapped_gamma(tmp_path):
     model = tiny()
     export_onnx(model, tmp_path / "m.onnx")
