@@ -221,6 +221,26 @@ def test_a_checkpoint_carries_its_licence_and_data_config(tmp_path):
     assert meta["variant"] == VARIANT["mlp"]
 
 
+def test_a_yaml_variant_with_pretrained_weights_streams_its_file(tmp_path):
+    model = tiny(VARIANT["swiglu"])
+    save_native(model, tmp_path / "native")
+    kwargs = "\n".join(f"  {k}: {v}" for k, v in TINY.items())
+    weights = tmp_path / "native" / "model.safetensors"
+    yaml = (
+        f"base: {VARIANT['swiglu']}\nmodel:\n{kwargs}\npretrained:\n  mine:\n    file: {weights}\n    crop_pct: 0.9\n"
+    )
+    (tmp_path / "my_vit.yaml").write_text(yaml)
+    result = export_onnx(
+        str(tmp_path / "my_vit.yaml"), tmp_path / "m.onnx", pretrained=True, check=True, check_sizes=SIZES
+    )
+    assert result.variant == "my_vit.mine" and result.weights == f"pretrained {weights}"
+    assert max(r.max_rel for r in result.check) < 1e-4 and metadata(tmp_path / "m.onnx")["crop_pct"] == "0.9"
+    x = images(1, 32, 64)
+    with torch.no_grad():
+        want = model(x)
+    assert relative(session(tmp_path / "m.onnx").run(None, {"pixel_values": x.numpy()})[0], want) < 1e-4
+
+
 def test_static_batch_and_size(tmp_path):
     model = tiny()
     result = export_onnx(model, tmp_path / "s.onnx", batch=2, size=(32, 48), check=True)
@@ -320,6 +340,14 @@ def test_fp16_from_a_checkpoint_streams_cast_weights(tmp_path):
     dtypes = {t.name: t.data_type for t in onnx.load(str(tmp_path / "h.onnx")).graph.initializer}
     assert dtypes["blocks.0.attn.qkv.weight"] == dtypes["blocks.1.mlp.fc2.weight"] == onnx.TensorProto.FLOAT16
     assert dtypes["blocks.0.norm1.weight"] == dtypes["rope_embed.periods"] == onnx.TensorProto.FLOAT
+
+
+def test_a_check_beyond_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    save_native(tiny(), tmp_path / "native")
+    monkeypatch.setattr(export_module.os, "sysconf", lambda name: 1024)  # a 1 MiB machine
+    with pytest.raises(ExportError, match="more than half this machine's memory"):
+        export_onnx(tmp_path / "native", tmp_path / "m.onnx", check=True)
+    assert sorted(os.listdir(tmp_path)) == ["native"]
 
 
 def test_the_7b_graph_at_reduced_depth_has_the_7b_shapes():
