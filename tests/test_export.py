@@ -40,8 +40,8 @@ CLI = [sys.executable, "-m", "timm_layerscale.cli"]
 ACCEPTED_OPS = {
     "Add", "Cast", "CastLike", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "Div", "Erf", "Expand",
     "Gather", "Gelu", "Identity", "LayerNormalization", "MatMul", "Mod", "Mul", "Neg", "Pad", "Range", "ReduceMean",
-    "Reshape", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Transpose",
-    "Unsqueeze",
+    "Reshape", "ScatterND", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub",
+    "Transpose", "Unsqueeze",
 }  # fmt: skip
 
 
