@@ -25,7 +25,7 @@ from timm.models import get_pretrained_cfg
 
 from .checkpoints.errors import CheckpointError
 from .checkpoints.fit import fit_to_model
-from .checkpoints.layer_scale import GAMMA_KEY
+from .checkpoints.gamma_keys import NATIVE_GAMMA_KEY
 from .checkpoints.layouts import detect_layout, effective_qkv_bias
 from .checkpoints.plan import Plan, cast_plan
 from .checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
@@ -364,11 +364,11 @@ def _differences(infos: Mapping[str, TensorInfo], expected: Mapping[str, Tensor]
         if key in infos and infos[key].shape != target.shape:
             found.append(f"{key} is {list(infos[key].shape)} in the checkpoint but {list(target.shape)} in {name}")
             distance += abs(math.log(max(infos[key].shape.numel(), 1) / max(target.shape.numel(), 1)))
-        elif key not in infos and not key.endswith(_FILLABLE) and not GAMMA_KEY.match(key):
+        elif key not in infos and not key.endswith(_FILLABLE) and not NATIVE_GAMMA_KEY.match(key):
             found.append(f"{name} has {key} {list(target.shape)} and the checkpoint does not")
             distance += 1
     for key in infos:
-        if key not in expected and not key.startswith(("local_cls_norm.", "head.")) and not GAMMA_KEY.match(key):
+        if key not in expected and not key.startswith(("local_cls_norm.", "head.")) and not NATIVE_GAMMA_KEY.match(key):
             found.append(f"the checkpoint has {key} {list(infos[key].shape)} and {name} does not")
             distance += 1
     return found, distance
