@@ -24,7 +24,7 @@ import torch
 from timm.models import get_pretrained_cfg
 
 from .checkpoints.errors import CheckpointError
-from .checkpoints.fit import fit_to_model
+from .checkpoints.fit import Fitted, fit_to_model
 from .checkpoints.gamma_keys import NATIVE_GAMMA_KEY
 from .checkpoints.layouts import detect_layout, effective_qkv_bias
 from .checkpoints.plan import Plan, cast_plan
@@ -36,6 +36,7 @@ from .checkpoints.targets import (
     TARGETS,
     UNHELD_NOTES,
     WEIGHTS_FILE,
+    Target,
     eva_config,
     transformers_config,
     unheld_groups,
@@ -129,46 +130,17 @@ def convert_checkpoint(
     on any error nothing is left behind. Raises `CheckpointError` (or `ValueError`) for bad input.
     """
     start = time.perf_counter()
-    target = TARGETS.get(to)
-    if target is None:
-        raise CheckpointError(f"unknown target {to!r}; pass --to one of {', '.join(TARGETS)}")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join(DTYPES)}")
-    if weights not in WEIGHTS:
-        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
     dst = Path(dst)
-    if target.name == "meta" and dst.suffix not in (*TORCH_SUFFIXES, ".safetensors"):
-        raise CheckpointError(f"--to meta writes one file: name it .pth or .safetensors (got {dst.name})")
-    if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
-    _refuse_to_replace_source(src, dst)
-
+    target = _checked_request(src, dst, to, dtype, weights, overwrite)
     with _opened(src, weights) as ckpt:
         layout = detect_layout(ckpt)
         native = layout.to_native(ckpt)
         resolved = resolve_model(native, model, dict(model_kwargs or {}), ckpt.hub_config, fuse_layerscale)
-        cast = DTYPES[dtype]
-        fill_dtype = cast or dominant_dtype(native)
-        fitted = fit_to_model(
-            native,
-            expected_state(resolved.config),
-            layout=layout.name,
-            model_name=resolved.name,
-            config=resolved.config,
-            fill_dtype=fill_dtype,
-        )
-        tensors = cast_plan(fitted.plan, cast, keep=[PERIODS])
-        export = _export(target.name, tensors, resolved, fill_dtype, dst, max_shard_size)
+        fitted, export = _planned(native, layout.name, resolved, target.name, DTYPES[dtype], dst, max_shard_size)
         warnings = fitted.warnings + export.warnings
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
-        total = export.tensors.nbytes
-        show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
-        with (
-            _progress_bar(total, f"{to} {dst.name}", show) as bar,
-            atomic_destination(dst, overwrite, folder=target.folder) as tmp,
-        ):
-            export.write(tmp, bar)
+        _write(export, dst, target, overwrite, progress)
         return Conversion(
             source=str(src) if isinstance(src, (str, Path)) else str(ckpt.path),
             kind=ckpt.kind,
@@ -179,12 +151,63 @@ def convert_checkpoint(
             variant=resolved.name + (f".{resolved.tag}" if resolved.tag else ""),
             reason=resolved.reason,
             tensors=len(export.tensors),
-            nbytes=total,
+            nbytes=export.tensors.nbytes,
             seconds=time.perf_counter() - start,
             not_held=export.not_held,
             report=fitted.report(),
             warnings=warnings,
         )
+
+
+def _checked_request(src: Any, dst: Path, to: str, dtype: str, weights: str, overwrite: bool) -> Target:
+    """The target, once every argument is known good and the destination may be written."""
+    target = TARGETS.get(to)
+    if target is None:
+        raise CheckpointError(f"unknown target {to!r}; pass --to one of {', '.join(TARGETS)}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join(DTYPES)}")
+    if weights not in WEIGHTS:
+        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
+    if target.name == "meta" and dst.suffix not in (*TORCH_SUFFIXES, ".safetensors"):
+        raise CheckpointError(f"--to meta writes one file: name it .pth or .safetensors (got {dst.name})")
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
+    _refuse_to_replace_source(src, dst)
+    return target
+
+
+def _planned(
+    native: Plan,
+    layout: str,
+    resolved: ResolvedModel,
+    to: str,
+    cast: torch.dtype | None,
+    dst: Path,
+    max_shard_size: int | str,
+) -> tuple[Fitted, _Export]:
+    """The checkpoint fitted to its model, cast, and mapped to the target's keys: all planned, nothing read."""
+    fill_dtype = cast or dominant_dtype(native)
+    fitted = fit_to_model(
+        native,
+        expected_state(resolved.config),
+        layout=layout,
+        model_name=resolved.name,
+        config=resolved.config,
+        fill_dtype=fill_dtype,
+    )
+    tensors = cast_plan(fitted.plan, cast, keep=[PERIODS])
+    return fitted, _export(to, tensors, resolved, fill_dtype, dst, max_shard_size)
+
+
+def _write(export: _Export, dst: Path, target: Target, overwrite: bool, progress: bool | None) -> None:
+    """The target's files into a temporary name, renamed to `dst` when complete."""
+    total = export.tensors.nbytes
+    show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    with (
+        _progress_bar(total, f"{target.name} {dst.name}", show) as bar,
+        atomic_destination(dst, overwrite, folder=target.folder) as tmp,
+    ):
+        export.write(tmp, bar)
 
 
 @contextmanager

@@ -30,6 +30,8 @@ _TORCH_NAMES = {
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     name: dtype for name, attr in _TORCH_NAMES.items() if isinstance(dtype := getattr(torch, attr, None), torch.dtype)
 }
+# Named by the format, with no torch dtype (sub-byte floats that torch packs differently or not at all).
+_WITHOUT_TORCH_DTYPE = ("F4", "F6_E2M3", "F6_E3M2")
 _NAMES_BY_DTYPE = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
@@ -47,4 +49,6 @@ def unknown_name_reason(name: str) -> str:
     """Why a safetensors dtype name has no torch dtype: a newer format or an older torch."""
     if name in _TORCH_NAMES:
         return f"{name}, which this torch {torch.__version__} has no dtype for (upgrade torch)"
+    if name in _WITHOUT_TORCH_DTYPE:
+        return f"{name}, which has no torch dtype here"
     return f"{name}, which is no safetensors dtype this package knows"
