@@ -21,12 +21,12 @@ weights and the input). Fidelity: each model's bf16 output against ours in fp32 
 Meta's output exactly. A point that misses a target gets the top kernels of a profile of ours and of
 the faster anchor beside it.
 
-Sections, in this order, each skippable: --skip-fsdp, --skip-load, then per variant --skip-fidelity and
---skip-eager (with --skip-memory, --skip-profile inside), then --skip-compile (small and large at 224 px by
-default). A section that fails is recorded and the next one runs. --budget-s stops gracefully: a step that
-would not fit in what is left is skipped and recorded, rounds stop early (at least 3). Results go to --out
-as results.json (everything, raw times included) and summary.md (the tables), rewritten after every
-point, so a run cut short still leaves what it measured.
+Sections, in this order, each skippable: --skip-fsdp, --skip-rope (one block's RoPE in three forms),
+--skip-load, then per variant --skip-fidelity and --skip-eager (with --skip-memory, --skip-profile inside),
+then --skip-compile (small and large at 224 px by default). A section that fails is recorded and the next
+one runs. --budget-s stops gracefully: a step that would not fit in what is left is skipped and recorded,
+rounds stop early (at least 3). Results go to --out as results.json (everything, raw times included) and
+summary.md (the tables), rewritten after every point, so a run cut short still leaves what it measured.
 
 Wall time on one H200, estimated (not yet run there): imports and CUDA start 20 s; fsdp 10 s; load 30 s
 (a 1.6 GiB file, four loads); eager 150 s (four models x 8 points x 13 calls, about 4.3 s a round, plus
@@ -77,6 +77,8 @@ from transformers import DINOv3ViTConfig, DINOv3ViTModel
 from timm_layerscale import shard_model
 from timm_layerscale.checkpoints.layouts import TIMM_EVA, TRANSFORMERS
 from timm_layerscale.checkpoints.targets import hidden_features, transformers_config
+from timm_layerscale.layers import RopeEmbedding, apply_rope
+from timm_layerscale.layers.rope import apply_rope_low_precision
 
 PLAIN = "plain ViT"
 ANCHORS = (EVA, HF)
@@ -351,6 +353,34 @@ def kernels_by_head_dim(device: torch.device, dtype: torch.dtype) -> dict[int, s
     return found
 
 
+def bench_rope(args, device, dtype, budget, results, overrides) -> None:
+    """The RoPE of one block alone, on the q/k slice of a qkv output at each variant's width: the form
+    the model takes (`apply_rope_low_precision` in bf16), the plain `apply_rope`, and the roll-based
+    form it had before; median time and peak memory above the input."""
+    forms = {
+        "fused (model's)": apply_rope_low_precision if dtype != torch.float32 else apply_rope,
+        "plain apply_rope": apply_rope,
+        "roll, before": lambda x, r: (x * r[1]).add_(x.roll(x.shape[-1] // 2, dims=-1) * r[0]).to(x.dtype),
+    }
+    rows = {}
+    for variant in args.variants:
+        with torch.device("meta"):
+            config = timm.create_model(ours_name(variant), **overrides).config
+        for size in args.sizes:
+            grid = size // config.patch_size
+            sin, cos = RopeEmbedding(config.head_dim, num_prefix_tokens=config.num_prefix_tokens)(grid, grid)
+            rope = (sin.to(device)[:, None, None], cos.to(device)[:, None, None])
+            shape = (args.batch, sin.shape[0], 3, config.num_heads, config.head_dim)
+            qk = torch.randn(shape, device=device).to(dtype)[:, :, :2]
+            calls = {name: (lambda f=f, qk=qk, rope=rope: f(qk, rope)) for name, f in forms.items()}
+            with torch.inference_mode():
+                times = interleaved(calls, args.rounds, device, budget, warmup=args.warmup)
+                memory = {n: peak_memory_mib(c, device) for n, c in calls.items()}
+            rows[f"{variant} {size}px"] = {n: dict(ms=median_ms(t), peak_mib=memory[n]) for n, t in times.items()}
+            echo(f"  rope {variant} {size}px: " + ", ".join(f"{n} {median_ms(t):.3f} ms" for n, t in times.items()))
+    results["rope"] = rows
+
+
 def bench_variant(variant, args, device, dtype, budget, results, overrides) -> None:
     """Fidelity, then eager points at every size."""
     echo(f"[{variant}] building the trio ({budget.left():.0f} s left)")
@@ -566,6 +596,20 @@ def summary(results: dict) -> str:
             )
         verdict = {k: load[k] for k in ("ours_vs_eva_time", "one_copy") if k in load}
         lines += [f"## Streaming load of ViT-H+ ({load['file_dtype']} file)", markdown(rows), json.dumps(verdict), ""]
+    if rope := results.get("rope"):
+        names = list(next(iter(rope.values())))
+        rows = [["point", *(f"{n} ms" for n in names), "peak MiB " + " / ".join(names)]]
+        for where, by_form in rope.items():
+            rows.append(
+                [
+                    where,
+                    *(f"{by_form[n]['ms']:.3f}" for n in names),
+                    " / ".join(
+                        "-" if by_form[n]["peak_mib"] is None else f"{by_form[n]['peak_mib']:.0f}" for n in names
+                    ),
+                ]
+            )
+        lines += ["## RoPE of one block (q/k slice of qkv)", markdown(rows), ""]
     if fsdp := results.get("fsdp"):
         lines += ["## shard_model, one rank", json.dumps(fsdp), ""]
     if results.get("kernels"):
@@ -607,7 +651,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fsdp-batch", type=int, default=16)
     parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
     parser.add_argument("--workdir", default=None, help="where the ViT-H+ file is written (default: TMPDIR)")
-    for section in ("load", "eager", "fidelity", "memory", "compile", "profile", "fsdp"):
+    for section in ("rope", "load", "eager", "fidelity", "memory", "compile", "profile", "fsdp"):
         parser.add_argument(f"--skip-{section}", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -662,6 +706,8 @@ def main(argv: list[str] | None = None) -> None:
     results["kernels"] = kernels_by_head_dim(device, dtype)
     if not args.skip_fsdp:
         section("fsdp", lambda: bench_fsdp(args, device, results, overrides), 10)
+    if not args.skip_rope:
+        section("rope", lambda: bench_rope(args, device, dtype, budget, results, overrides), 10)
     if not args.skip_load:
         section("load", lambda: bench_load(args, device, budget, results, overrides), 40)
     for variant in args.variants:
