@@ -74,13 +74,14 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-from timm_layerscale import shard_model
+from timm_layerscale import fold_layer_scale, shard_model
 from timm_layerscale.checkpoints.layouts import TIMM_EVA, TRANSFORMERS
 from timm_layerscale.checkpoints.targets import hidden_features, transformers_config
 from timm_layerscale.layers import RopeEmbedding, apply_rope
 from timm_layerscale.layers.rope import apply_rope_low_precision
 
 PLAIN = "plain ViT"
+FOLDED = "ours, LayerScale folded"  # --folded: `fold_layer_scale` on a copy, timed beside, no target
 ANCHORS = (EVA, HF)
 # variant: (eva's fastest eager form, eva's layout of the Hub files)
 VARIANTS = {
@@ -386,6 +387,8 @@ def bench_variant(variant, args, device, dtype, budget, results, overrides) -> N
     echo(f"[{variant}] building the trio ({budget.left():.0f} s left)")
     trio = build_trio(variant, device, overrides)
     results["weights_mib"][variant] = nbytes(trio[OURS]) / 2**20
+    if args.folded:
+        trio[FOLDED] = fold_layer_scale(copy.deepcopy(trio[OURS]))  # folded in fp32, then cast with the rest
     if not args.skip_fidelity:
         results["fidelity"][variant] = fidelity(trio, args.sizes, args.fidelity_batch, device, dtype)
         for size, errors in results["fidelity"][variant].items():
@@ -553,6 +556,7 @@ def summary(results: dict, with_profiles: bool = True) -> str:
             "MFU ours / eva / tf / plain",
             "peak MiB above weights ours / eva / tf",
             "misses",
+            "folded ms",
         ]
     ]
     for p in results["points"]:
@@ -569,6 +573,7 @@ def summary(results: dict, with_profiles: bool = True) -> str:
                 " / ".join(f"{p['mfu'][n]:.0%}" for n in (OURS, EVA, HF, PLAIN)),
                 " / ".join("-" if peak.get(n) is None else f"{peak[n]:.0f}" for n in (OURS, EVA, HF)),
                 "; ".join(p["misses"]) or "none",
+                f"{ms[FOLDED]:.2f}" if FOLDED in ms else "-",
             ]
         )
     lines += ["## Inference, batch " + str(results["args"]["batch"]), markdown(rows), ""]
@@ -653,6 +658,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reserve-s", type=float, default=15.0, help="least budget a timed point needs")
     parser.add_argument("--load-rounds", type=int, default=2)
     parser.add_argument("--fsdp-batch", type=int, default=16)
+    parser.add_argument("--folded", action="store_true", help="also time ours with LayerScale folded (eager)")
     parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
     parser.add_argument("--workdir", default=None, help="where the ViT-H+ file is written (default: TMPDIR)")
     for section in ("rope", "load", "eager", "fidelity", "memory", "compile", "profile", "fsdp"):
