@@ -21,7 +21,7 @@ weights and the input). Fidelity: each model's bf16 output against ours in fp32 
 Meta's output exactly. A point that misses a target gets the top kernels of a profile of ours and of
 the faster anchor beside it.
 
-Sections, in this order, each skippable: --skip-fsdp, --skip-rope (one block's RoPE in three forms),
+Sections, in this order, each skippable: --skip-fsdp, --skip-rope (one block's RoPE in four forms),
 --skip-load, then per variant --skip-fidelity and --skip-eager (with --skip-memory, --skip-profile inside),
 then --skip-compile (small and large at 224 px by default). A section that fails is recorded and the next
 one runs. --budget-s stops gracefully: a step that would not fit in what is left is skipped and recorded,
@@ -78,6 +78,7 @@ from timm_layerscale import fold_layer_scale, shard_model
 from timm_layerscale.checkpoints.layouts import TIMM_EVA, TRANSFORMERS
 from timm_layerscale.checkpoints.targets import hidden_features, transformers_config
 from timm_layerscale.layers import RopeEmbedding, apply_rope
+from timm_layerscale.layers.attention import rotate_queries_keys
 from timm_layerscale.layers.rope import apply_rope_low_precision
 
 PLAIN = "plain ViT"
@@ -355,13 +356,19 @@ def kernels_by_head_dim(device: torch.device, dtype: torch.dtype) -> dict[int, s
 
 
 def bench_rope(args, device, dtype, budget, results, overrides) -> None:
-    """The RoPE of one block alone, on the q/k slice of a qkv output at each variant's width: the form
-    the model takes (`apply_rope_low_precision` in bf16), the plain `apply_rope`, and the roll-based
-    form it had before; median time and peak memory above the input."""
-    forms = {
-        "fused (model's)": apply_rope_low_precision if dtype != torch.float32 else apply_rope,
-        "plain apply_rope": apply_rope,
-        "roll, before": lambda x, r: (x * r[1]).add_(x.roll(x.shape[-1] // 2, dims=-1) * r[0]).to(x.dtype),
+    """The RoPE of one block alone, on the q/k slice of a qkv output at each variant's width: the model's
+    (`rotate_queries_keys`: in bf16 inference `apply_rope_low_precision` written back into qkv), the same
+    returning a new tensor, the plain `apply_rope`, and the roll-based form of before; median time and
+    peak memory above the input."""
+
+    def broadcast(f):
+        return lambda x, r: f(x, (r[0][:, None, None], r[1][:, None, None]))
+
+    forms = {  # the model's form rotates q and k in place (inference), so the rounds keep rotating them
+        "model's (in place)": rotate_queries_keys,
+        "low precision": broadcast(apply_rope_low_precision),
+        "plain apply_rope": broadcast(apply_rope),
+        "roll, before": broadcast(lambda x, r: (x * r[1]).add_(x.roll(x.shape[-1] // 2, dims=-1) * r[0]).to(x.dtype)),
     }
     rows = {}
     for variant in args.variants:
@@ -370,7 +377,7 @@ def bench_rope(args, device, dtype, budget, results, overrides) -> None:
         for size in args.sizes:
             grid = size // config.patch_size
             sin, cos = RopeEmbedding(config.head_dim, num_prefix_tokens=config.num_prefix_tokens)(grid, grid)
-            rope = (sin.to(device)[:, None, None], cos.to(device)[:, None, None])
+            rope = (sin.to(device), cos.to(device))
             shape = (args.batch, sin.shape[0], 3, config.num_heads, config.head_dim)
             qk = torch.randn(shape, device=device).to(dtype)[:, :, :2]
             calls = {name: (lambda f=f, qk=qk, rope=rope: f(qk, rope)) for name, f in forms.items()}

@@ -1,6 +1,8 @@
 """The fewer-pass RoPE of bf16/fp16 activations against the plain path it replaces (Meta's formula), and
 the dispatch that keeps fp32 on the plain path, exact to Meta."""
 
+import warnings
+
 import pytest
 import timm
 import torch
@@ -74,11 +76,32 @@ def test_dispatch_keeps_fp32_on_metas_path_and_low_precision_on_the_fused_one(mo
     taken = []
     for name in ("apply_rope", "apply_rope_low_precision"):
         original = getattr(attention_module, name)
-        monkeypatch.setattr(attention_module, name, lambda x, r, f=original, n=name: taken.append(n) or f(x, r))
+        monkeypatch.setattr(
+            attention_module, name, lambda x, r, f=original, n=name, **kw: taken.append(n) or f(x, r, **kw)
+        )
     for dtype in (torch.float32, *LOW):
         qkv, rope = qkv_and_rope(dtype, seed=2)
         assert rotate_queries_keys(qkv[:, :, :2], rope).dtype == dtype
     assert taken == ["apply_rope", "apply_rope_low_precision", "apply_rope_low_precision"]
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_inference_writes_the_rotation_back_into_qkv_and_training_does_not(dtype):
+    qkv, rope = qkv_and_rope(dtype, seed=7)
+    expected = apply_rope_low_precision(qkv[:, :, :2], broadcast(rope))
+    v = qkv[:, :, 2].clone()
+    with torch.no_grad():
+        rotated = rotate_queries_keys(qkv[:, :, :2], rope)
+    assert rotated.data_ptr() == qkv.data_ptr() and torch.equal(rotated, expected)
+    assert torch.equal(qkv[:, :, :2], expected) and torch.equal(qkv[:, :, 2], v)
+
+    qkv, rope = qkv_and_rope(dtype, seed=7)
+    before = qkv.clone()
+    leaf = qkv.requires_grad_()
+    rotated = rotate_queries_keys(leaf[:, :, :2], rope)
+    assert torch.equal(rotated, expected) and torch.equal(qkv.detach(), before)
+    rotated.float().sum().backward()
+    assert leaf.grad is not None
 
 
 @pytest.mark.parametrize("dtype", LOW)
@@ -105,13 +128,15 @@ def test_bf16_model_rotates_through_the_fused_path(monkeypatch):
         model.to(torch.bfloat16)
         calls = []
 
-        def counted(qk, rope):
+        def counted(qk, rope, out=None):
             calls.append(qk.dtype)
-            return apply_rope_low_precision(qk, rope)
+            return apply_rope_low_precision(qk, rope, out=out)
 
         monkeypatch.setattr(attention_module, "apply_rope_low_precision", counted)
         fused = model(x.to(torch.bfloat16)).float()
-        monkeypatch.setattr(attention_module, "apply_rope_low_precision", apply_rope)
+        monkeypatch.setattr(
+            attention_module, "apply_rope_low_precision", lambda qk, rope, out=None: apply_rope(qk, rope)
+        )
         plain = model(x.to(torch.bfloat16)).float()
     assert calls == [torch.bfloat16] * TINY["depth"]
     scale = reference.abs().max()
@@ -126,5 +151,8 @@ def test_bf16_fused_path_is_captured_by_torchscript_and_torch_compile():
     x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
     with torch.no_grad():
         eager = model(x)
-        assert torch.equal(torch.jit.script(model)(x), eager)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # TorchScript is deprecated in torch, still supported
+            scripted = torch.jit.script(model)
+        assert torch.equal(scripted(x), eager)
         assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), eager)

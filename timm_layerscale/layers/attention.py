@@ -10,12 +10,13 @@ from .rope import apply_rope, apply_rope_low_precision
 def rotate_queries_keys(qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """RoPE on the stacked q/k slice of qkv `[batch, tokens, 2, heads, head_dim]`, q and k in one pass.
 
-    fp32 takes `apply_rope`, exact to Meta's; bf16 and fp16 take its fewer-pass form.
+    fp32 takes `apply_rope`, exact to Meta's; bf16 and fp16 take its fewer-pass form, which without autograd
+    writes the result back into qkv: a third copy of q and k would otherwise make RoPE the forward's peak.
     """
     sin, cos = rope
     rope = (sin[:, None, None], cos[:, None, None])
     if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:
-        return apply_rope_low_precision(qk, rope)
+        return apply_rope_low_precision(qk, rope, out=None if torch.is_grad_enabled() else qk)
     return apply_rope(qk, rope)
 
 
