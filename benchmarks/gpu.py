@@ -28,10 +28,10 @@ one runs. --budget-s stops gracefully: a step that would not fit in what is left
 rounds stop early (at least 3). Results go to --out as results.json (everything, raw times included) and
 summary.md (the tables), rewritten after every point, so a run cut short still leaves what it measured.
 
-Wall time on one H200, estimated (not yet run there): imports and CUDA start 20 s; fsdp 10 s; load 30 s
-(a 1.6 GiB file, four loads); eager 150 s (four models x 8 points x 13 calls, about 4.3 s a round, plus
-one FLOP count, memory call and profile per point); compile 150-250 s (eight compiles); about 6-8 minutes
-in all, which --budget-s 420 caps.
+Wall time on one H200, estimated (not yet run there): imports and CUDA start 20 s, fsdp 10 s, RoPE 5 s,
+load 25 s (a 1.6 GiB file, four loads), the four variants 150 s (four models x 8 points x 13 calls, about
+4.3 s a round, plus FLOP counts, memory calls and profiles), compiling small then large 240 s (eight
+compiles): about 7.5 minutes, which the default --budget-s 450 caps (imports not counted).
 """
 
 from __future__ import annotations
