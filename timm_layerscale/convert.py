@@ -478,7 +478,8 @@ def _export_meta_train(
                 "prototypes; train them first (continued pretraining with the backbone frozen), or convert a "
                 "checkpoint that carries them"
             )
-    head_plan = cast_plan(Plan(made, passthrough(made)), cast or torch.float32)
+    # Carried heads keep their dtype unless cast; new ones are made in the backbone's (with "keep": its fills').
+    head_plan = cast_plan(Plan(made, passthrough(made)), cast if source else cast or fill_dtype)
     out = _Parts({"backbone.": backbone, "": head_plan})
     plan = Plan(out, passthrough(out))
     floating = {plan.info(k).dtype for k in plan if plan.info(k).dtype.is_floating_point and not k.endswith(PERIODS)}

@@ -37,7 +37,8 @@ class HeadSize:
     nlayers: int = 3
 
     def describe(self) -> str:
-        return f"{self.n_prototypes}/{self.bottleneck_dim}/{self.hidden_dim} x{self.nlayers}"
+        hidden = self.hidden_dim if self.nlayers > 1 else "-"  # one layer: no hidden layer
+        return f"{self.n_prototypes}/{self.bottleneck_dim}/{hidden} x{self.nlayers}"
 
     def shapes(self, in_dim: int) -> dict[str, torch.Size]:
         """{key inside the head: shape}, in Meta's module order."""
@@ -180,8 +181,12 @@ def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_sc
     head_lines = []
     for section, size in (("dino", heads.dino), ("ibot", heads.ibot)):
         head_lines.append(f"{section}:")
-        head_lines += [f"  head_{f.name}: {getattr(size, f.name)}" for f in fields(HeadSize)]
-    head_lines.insert(len(head_lines) - 4, "  separate_head: true")
+        head_lines += [
+            f"  head_{f.name}: {getattr(size, f.name)}"
+            for f in fields(HeadSize)
+            if f.name != "hidden_dim" or size.nlayers > 1
+        ]
+    head_lines.insert(head_lines.index("ibot:") + 1, "  separate_head: true")
     layerscale = f"{config.layer_init_values[0][0] or 1e-5:.1e}" if layer_scale else "null"
     student = [
         "student:  # continued pretraining; the backbone args must match the checkpoint's",
@@ -198,7 +203,7 @@ def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_sc
         f"  pos_embed_rope_base: {config.rope_base}",
     ]
     gram = [
-        "gram:  # Gram anchoring: the backbone alone is loaded (the heads are skipped)",
+        "gram:  # Gram anchoring: the backbone alone is loaded, the heads skipped; set crops.gram_teacher_crops_size",
         "  use_loss: true",
         "  ema_teacher: false",
         f"  ckpt: {path}",
@@ -206,7 +211,7 @@ def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_sc
     distillation = [
         "distillation:  # this checkpoint as the teacher: the student's dino/ibot head_n_prototypes must match",
         "  enabled: true",
-        "  full_cfg_path: <the teacher's training YAML, with the dino:/ibot: lines above>",
+        '  full_cfg_path: "<the teacher\'s training YAML, with the dino and ibot head sizes above>"',
         f"  checkpoint_path: {path}",
     ]
     return "\n".join([*head_lines, *student, *gram, *distillation])
