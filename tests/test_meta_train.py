@@ -18,11 +18,12 @@ import timm
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from conftest import FIXTURES, VARIANT, max_diff, move_off_init_
+from conftest import EVA, FIXTURES, VARIANT, max_diff, move_off_init_
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale import CheckpointError, convert_checkpoint
 from timm_layerscale.checkpoints.dcp import METADATA_FILE, MetadataUnpickler, read_metadata
@@ -30,11 +31,12 @@ from timm_layerscale.checkpoints.reader import open_checkpoint
 from timm_layerscale.cli import main
 from timm_layerscale.convert import ResolvedModel, released_shape
 from timm_layerscale.meta_heads import DEFAULT_HEADS, RELEASED_HEADS, HeadSize, MetaHeads, heads_from_config
+from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
 
 KEYS = json.loads((FIXTURES / "meta_train_keys.json").read_text())["models"]
 BACKBONES = json.loads((FIXTURES / "meta_configs.json").read_text())["models"]
-HEAD_FIELDS = ("n_prototypes", "bottleneck_dim", "hidden_dim", "nlayers")
+SHAPE = dict(embed_dim=64, depth=2, num_heads=2)  # the meta_mlp fixture's
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -465,3 +467,47 @@ def test_the_written_metadata_has_nothing_the_allow_list_refuses(tmp_path):
     MetadataUnpickler(io.BytesIO(raw)).load()
     with pytest.raises(pickle.UnpicklingError):
         MetadataUnpickler(io.BytesIO(pickle.dumps(print))).load()
+
+
+# ------------------------------------------------------------------------------------ every source
+
+
+def sources(root: Path, images: torch.Tensor) -> dict[str, tuple[Path, str, torch.Tensor]]:
+    """(path, weights, the source model's normed tokens) for each kind of source the package reads."""
+    torch.manual_seed(0)
+    found = {}
+    config = DINOv3ViTConfig(
+        hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=256, num_register_tokens=4
+    )
+    hf = move_off_init_(DINOv3ViTModel(config)).eval()
+    hf.save_pretrained(root / "hf")
+    found["transformers folder"] = (root / "hf", "auto", hf(pixel_values=images).last_hidden_state)
+    eva = move_off_init_(timm.create_model(EVA["mlp"], global_pool="token", **SHAPE)).eval()
+    timm.models.save_for_hf(eva, str(root / "eva"), safe_serialization=True)
+    found["timm eva folder"] = (root / "eva", "auto", eva.forward_features(images))
+    raw = move_off_init_(timm.create_model(VARIANT["mlp"], num_classes=0, **SHAPE), seed=1).eval()
+    ema = move_off_init_(timm.create_model(VARIANT["mlp"], num_classes=0, **SHAPE), seed=2).eval()
+    torch.save({"epoch": 3, "arch": VARIANT["mlp"], "state_dict": raw.state_dict(), "state_dict_ema": ema.state_dict()},
+               root / "model_best.pth.tar")  # fmt: skip
+    found["train.py ema"] = (root / "model_best.pth.tar", "ema", ema.forward_features(images))
+    found["train.py raw"] = (root / "model_best.pth.tar", "raw", raw.forward_features(images))
+    save_native(ema, root / "native")
+    found["native folder"] = (root / "native", "auto", ema.forward_features(images))
+    meta = timm.create_model(VARIANT["mlp"], num_classes=0, **SHAPE).eval()
+    meta.load_state_dict(load_file(FIXTURES / "meta_mlp.safetensors"))
+    torch.save(load_file(FIXTURES / "meta_mlp.safetensors"), root / "dinov3_pretrain.pth")
+    found["Meta's release"] = (root / "dinov3_pretrain.pth", "auto", meta.forward_features(images))
+    return found
+
+
+@torch.no_grad()
+def test_every_source_becomes_a_checkpoint_metas_modules_load(tmp_path, images):
+    for kind, (src, weights, expected) in sources(tmp_path, images).items():
+        dst = tmp_path / f"{kind.replace(' ', '-')}.pth"
+        result = to_meta_train(src, dst, "meta_mlp", tmp_path, weights=weights)
+        assert "heads new" in result.summary(), kind
+        meta_module("meta_mlp").load_state_dict(read_pth(dst), strict=True)
+        native = tmp_path / f"{kind.replace(' ', '-')}-native"
+        convert_checkpoint(dst, native, to="native", model=VARIANT["mlp"], model_kwargs=SHAPE)
+        again = timm.create_model(f"local-dir:{native}", pretrained=True).eval()
+        assert max_diff(again.forward_features(images), expected) <= 1e-5, kind
