@@ -511,3 +511,49 @@ def test_every_source_becomes_a_checkpoint_metas_modules_load(tmp_path, images):
         convert_checkpoint(dst, native, to="native", model=VARIANT["mlp"], model_kwargs=SHAPE)
         again = timm.create_model(f"local-dir:{native}", pretrained=True).eval()
         assert max_diff(again.forward_features(images), expected) <= 1e-5, kind
+
+
+def test_the_dtype_is_fp32_by_default_and_keep_keeps_the_sources(tmp_path):
+    fp32 = load_file(meta_source("meta_mlp", tmp_path))
+    state = {k: v if k.endswith("periods") else v.bfloat16() for k, v in fp32.items()}
+    save_file(state, tmp_path / "bf16.safetensors")
+    for dtype, expected in ((None, torch.float32), ("keep", torch.bfloat16)):
+        dst = tmp_path / f"{dtype}.pth"
+        to_meta_train(tmp_path / "bf16.safetensors", dst, "meta_mlp", tmp_path, dtype=dtype)
+        out = read_pth(dst)
+        assert {v.dtype for k, v in out.items() if not k.endswith("periods")} == {expected}, dtype
+        assert out["backbone.rope_embed.periods"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("heads", "expected"),
+    [
+        ({"dino_head.last_layer.weight": (96, 16)}, "carries dino_head but no ibot_head"),
+        ({"ibot_head.last_layer.weight": (96, 16)}, "carries ibot_head but no dino_head"),
+        ({"dino_head.mlp.0.weight": (48, 64), "ibot_head.mlp.0.weight": (40, 64)}, "dino_head is not a DINOHead"),
+        ("no_bias", "dino_head differs from Meta's DINOHead of in_dim 64 at mlp.2.bias"),
+        ("in_dim", "dino_head differs from Meta's DINOHead of in_dim 64 at mlp.0.weight"),
+    ],
+)
+def test_carried_heads_that_are_not_metas_are_refused(heads, expected, tmp_path):
+    name = "meta_mlp"
+    to_meta_train(meta_source(name, tmp_path), tmp_path / "a.pth", name, tmp_path)
+    state = read_pth(tmp_path / "a.pth")
+    if heads == "no_bias":
+        del state["dino_head.mlp.2.bias"]
+    elif heads == "in_dim":
+        state["dino_head.mlp.0.weight"] = torch.zeros(48, 32)
+    else:
+        state = {k: v for k, v in state.items() if k.startswith("backbone.")}
+        state.update({k: torch.zeros(shape) for k, shape in heads.items()})
+    torch.save({"teacher": state}, tmp_path / "b.pth")
+    with pytest.raises(CheckpointError, match=expected):
+        to_meta_train(tmp_path / "b.pth", tmp_path / "c.pth", name, tmp_path, meta_config=None)
+    assert not (tmp_path / "c.pth").exists()
+
+
+def test_a_config_without_a_separate_ibot_head_is_refused(tmp_path):
+    path = tmp_path / "shared.yaml"
+    path.write_text("ibot:\n  separate_head: false\n")
+    with pytest.raises(CheckpointError, match=r"ibot\.separate_head: False; Meta's trainer requires true"):
+        heads_from_config(path)
