@@ -27,7 +27,8 @@ from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale import CheckpointError, convert_checkpoint
 from timm_layerscale.checkpoints.dcp import METADATA_FILE, MetadataUnpickler, read_metadata
-from timm_layerscale.checkpoints.reader import open_checkpoint
+from timm_layerscale.checkpoints.dcp_writer import write_dcp
+from timm_layerscale.checkpoints.reader import TensorInfo, open_checkpoint
 from timm_layerscale.cli import main
 from timm_layerscale.convert import ResolvedModel, released_shape
 from timm_layerscale.meta_heads import DEFAULT_HEADS, RELEASED_HEADS, HeadSize, MetaHeads, heads_from_config
@@ -557,3 +558,48 @@ def test_a_config_without_a_separate_ibot_head_is_refused(tmp_path):
     path.write_text("ibot:\n  separate_head: false\n")
     with pytest.raises(CheckpointError, match=r"ibot\.separate_head: False; Meta's trainer requires true"):
         heads_from_config(path)
+
+
+def test_a_qkv_bias_without_metas_mask_is_written_without_one(tmp_path):
+    """Meta builds the bias_mask buffer only with student.mask_k_bias: the printed line must follow the keys."""
+    model = move_off_init_(timm.create_model(VARIANT["mlp"], mask_k_bias=False, num_classes=0, **SHAPE))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "unmasked.safetensors")
+    name = "meta_mlp"
+    args = cli_args(name, tmp_path / "unmasked.safetensors", tmp_path / "out.pth", tmp_path, "--model-kwargs")
+    code, out, err = run([*args, "mask_k_bias=False"])
+    assert code == 0, err
+    assert yaml.safe_load(out[out.index("dino:") :])["student"]["mask_k_bias"] is False
+    written_keys = read_pth(tmp_path / "out.pth")
+    assert "backbone.blocks.0.attn.qkv.bias" in written_keys
+    assert not any(k.endswith("bias_mask") for k in written_keys)
+
+
+def test_carried_heads_keep_their_own_dtype_with_keep(tmp_path):
+    name = "meta_mlp"
+    to_meta_train(meta_source(name, tmp_path), tmp_path / "a.pth", name, tmp_path)
+    state = {k: v.bfloat16() if k.startswith("dino_head.") else v for k, v in read_pth(tmp_path / "a.pth").items()}
+    torch.save({"teacher": state}, tmp_path / "mixed.pth")
+    to_meta_train(tmp_path / "mixed.pth", tmp_path / "b.pth", name, tmp_path, meta_config=None, dtype="keep")
+    out = read_pth(tmp_path / "b.pth")
+    assert all(out[k].dtype == v.dtype and torch.equal(out[k], v) for k, v in state.items())
+
+
+def test_the_dcp_writer_refuses_a_tensor_unlike_its_plan(tmp_path):
+    class Liar(dict):
+        def info(self, key: str) -> TensorInfo:
+            return TensorInfo(torch.Size([3]), torch.float32)
+
+    with pytest.raises(RuntimeError, match=r"w: planned \[3\] torch.float32, made \[4\] torch.float32"):
+        write_dcp(tmp_path / "out", Liar(w=torch.zeros(4)), "model")
+
+
+def test_a_source_failing_mid_write_raises_its_own_error(tmp_path):
+    class Broken(dict):
+        def info(self, key: str) -> TensorInfo:
+            return TensorInfo(torch.Size([3]), torch.float32)
+
+        def __getitem__(self, key: str) -> torch.Tensor:
+            raise CheckpointError("src.pth is truncated; download it again")
+
+    with pytest.raises(CheckpointError, match="src.pth is truncated"):
+        write_dcp(tmp_path / "out", Broken(w=None), "model")

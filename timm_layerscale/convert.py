@@ -29,7 +29,7 @@ from .checkpoints.fit import fit_to_model
 from .checkpoints.layer_scale import GAMMA_KEY
 from .checkpoints.layouts import META, detect_layout, effective_qkv_bias
 from .checkpoints.plan import Plan, cast_plan, info_of, passthrough
-from .checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
+from .checkpoints.reader import ONLY_SET, LazyCheckpoint, TensorInfo, open_checkpoint
 from .checkpoints.targets import (
     CONFIG_FILE,
     EVA_ARCHITECTURES,
@@ -52,7 +52,7 @@ from .checkpoints.writers import (
     write_torch_file,
 )
 from .config import VitLsConfig, resolve_init_values
-from .meta_heads import DEFAULT_HEADS, RELEASED_HEADS, MetaHeads, NewHeads, heads_from_config, heads_of, meta_yaml
+from .meta_heads import DEFAULT_HEADS, RELEASED_HEADS, MetaHeads, heads_from_config, heads_of, meta_yaml, new_heads
 from .model import VisionTransformerLS
 from .variants import VARIANTS, builtin_architecture, load_variant
 
@@ -380,28 +380,11 @@ class _Heads:
     distill_teacher: bool
 
 
-class _Parts(Mapping[str, Tensor]):
+def _joined(parts: Mapping[str, Mapping[str, Tensor]]) -> LazyCheckpoint:
     """Lazy mappings (plans, checkpoints) as one, each under its prefix; a tensor is read only when asked."""
-
-    def __init__(self, parts: Mapping[str, Mapping[str, Tensor]]) -> None:
-        self._where = {prefix + key: (part, key) for prefix, part in parts.items() for key in part}
-
-    def info(self, key: str) -> TensorInfo:
-        part, inner = self._where[key]
-        return info_of(part, inner)
-
-    def __getitem__(self, key: str) -> Tensor:
-        part, inner = self._where[key]
-        return part[inner]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._where
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
+    where = {prefix + key: (part, key) for prefix, part in parts.items() for key in part}
+    infos = {key: info_of(part, inner) for key, (part, inner) in where.items()}
+    return LazyCheckpoint(Path("joined"), "joined", ONLY_SET, infos, lambda key: where[key][0][where[key][1]])
 
 
 def released_shape(resolved: ResolvedModel) -> bool:
@@ -469,7 +452,7 @@ def _export_meta_train(
         notes = [f"heads carried: {sizes.describe()}"]
     else:
         sizes = heads.config or (RELEASED_HEADS if released_shape(resolved) else DEFAULT_HEADS)
-        made = NewHeads(sizes, config.embed_dim, heads.seed)
+        made = new_heads(sizes, config.embed_dim, heads.seed)
         why = "--meta-config" if heads.config else "as released" if sizes is RELEASED_HEADS else "Meta's defaults"
         notes = [f"heads new (seed {heads.seed}, {why}): {sizes.describe()}; {WARM_UP}"]
         if heads.distill_teacher:
@@ -480,7 +463,7 @@ def _export_meta_train(
             )
     # Carried heads keep their dtype unless cast; new ones are made in the backbone's (with "keep": its fills').
     head_plan = cast_plan(Plan(made, passthrough(made)), cast if source else cast or fill_dtype)
-    out = _Parts({"backbone.": backbone, "": head_plan})
+    out = _joined({"backbone.": backbone, "": head_plan})
     plan = Plan(out, passthrough(out))
     floating = {plan.info(k).dtype for k in plan if plan.info(k).dtype.is_floating_point and not k.endswith(PERIODS)}
     dtypes = sorted(str(dtype).removeprefix("torch.") for dtype in floating)

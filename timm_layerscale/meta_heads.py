@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from .checkpoints.errors import CheckpointError
-from .checkpoints.reader import TensorInfo
+from .checkpoints.reader import LazyCheckpoint, TensorInfo
 from .config import VitLsConfig
 
 Tensor = torch.Tensor
@@ -144,34 +144,20 @@ def heads_of(infos: Mapping[str, TensorInfo], embed_dim: int, source: str) -> Me
 _CARRY_FIX = "Meta's trainer would not load it: convert the backbone alone for new heads"
 
 
-class NewHeads(Mapping[str, Tensor]):
-    """Heads as Meta's `DINOHead.init_weights` makes them, one tensor at a time, each from its own generator
-    seeded by (`seed`, key): the same tensors whatever the order they are read in."""
+def new_heads(heads: MetaHeads, in_dim: int, seed: int) -> LazyCheckpoint:
+    """Heads as Meta's `DINOHead.init_weights` makes them, in fp32, one tensor when read, each from its own
+    generator seeded by (`seed`, key): the same tensors whatever the order they are read in."""
+    infos = heads.infos(in_dim, torch.float32)
 
-    def __init__(self, heads: MetaHeads, in_dim: int, seed: int) -> None:
-        self._infos = heads.infos(in_dim, torch.float32)
-        self.seed = seed
-
-    def info(self, key: str) -> TensorInfo:
-        return self._infos[key]
-
-    def __getitem__(self, key: str) -> Tensor:
-        info = self._infos[key]
-        tensor = torch.zeros(info.shape, dtype=info.dtype)
+    def make(key: str) -> Tensor:
+        tensor = torch.zeros(infos[key].shape, dtype=torch.float32)
         if key.endswith(".weight"):
-            digest = hashlib.sha256(f"{self.seed}:{key}".encode()).digest()
+            digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
             generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
             torch.nn.init.trunc_normal_(tensor, std=INIT_STD, generator=generator)
         return tensor
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._infos
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._infos)
-
-    def __len__(self) -> int:
-        return len(self._infos)
+    return LazyCheckpoint(Path("new heads"), "new heads", f"seed {seed}", infos, make)
 
 
 def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_scale: bool, bias_mask: bool) -> str:

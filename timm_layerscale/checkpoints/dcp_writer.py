@@ -32,6 +32,7 @@ def write_dcp(
     """Writes `tensors` (a plan, lazy checkpoint or state dict) as DCP items `{under}.{key}` into `folder`,
     with the small picklable `items` (e.g. `{"iteration": 0}`) beside them; returns the tensor bytes written."""
     from torch.distributed.checkpoint import FileSystemWriter, save
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -61,7 +62,10 @@ def write_dcp(
             return self.last
 
     writer = FileSystemWriter(folder, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
-        save({**dict(items or {}), under: placeholders}, storage_writer=writer, planner=Streaming(), no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+            save({**dict(items or {}), under: placeholders}, storage_writer=writer, planner=Streaming(), no_dist=True)
+    except CheckpointException as exc:  # DCP wraps what failed, per rank: raise that (a CheckpointError stays one)
+        raise next(iter(exc.failures.values()))[0] from None
     return sum(info.nbytes for info in infos.values())
