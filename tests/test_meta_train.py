@@ -601,5 +601,5 @@ def test_a_source_failing_mid_write_raises_its_own_error(tmp_path):
         def __getitem__(self, key: str) -> torch.Tensor:
             raise CheckpointError("src.pth is truncated; download it again")
 
-    with pytest.raises(CheckpointError, match="src.pth is truncated"):
+    with pytest.raises(CheckpointError, match=r"src\.pth is truncated"):
         write_dcp(tmp_path / "out", Broken(w=None), "model")
