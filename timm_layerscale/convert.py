@@ -25,8 +25,8 @@ from timm.models import get_pretrained_cfg
 
 from .checkpoints.dcp_writer import write_dcp
 from .checkpoints.errors import CheckpointError
-from .checkpoints.fit import fit_to_model
-from .checkpoints.layer_scale import GAMMA_KEY
+from .checkpoints.fit import Fitted, fit_to_model
+from .checkpoints.gamma_keys import NATIVE_GAMMA_KEY
 from .checkpoints.layouts import META, detect_layout, effective_qkv_bias
 from .checkpoints.plan import Plan, cast_plan, info_of, passthrough
 from .checkpoints.reader import ONLY_SET, LazyCheckpoint, TensorInfo, open_checkpoint
@@ -37,6 +37,7 @@ from .checkpoints.targets import (
     TARGETS,
     UNHELD_NOTES,
     WEIGHTS_FILE,
+    Target,
     eva_config,
     transformers_config,
     unheld_groups,
@@ -146,65 +147,22 @@ def convert_checkpoint(
     checkpoint will be a distillation teacher: new heads are then a warning (an error with `strict`).
     """
     start = time.perf_counter()
-    target = TARGETS.get(to)
-    if target is None:
-        raise CheckpointError(f"unknown target {to!r}; pass --to one of {', '.join(TARGETS)}")
+    dst = Path(dst)
     if dtype is None:
         dtype = "fp32" if to == "meta-train" else "keep"
-    if dtype not in DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join(DTYPES)}")
-    if weights not in WEIGHTS:
-        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
-    dst = Path(dst)
-    if target.name == "meta" and dst.suffix not in (*TORCH_SUFFIXES, ".safetensors"):
-        raise CheckpointError(f"--to meta writes one file: name it .pth or .safetensors (got {dst.name})")
-    if target.name == "meta-train" and dst.suffix not in ("", ".pth"):
-        raise CheckpointError(
-            f"--to meta-train writes a .pth file or a distributed checkpoint folder: name it .pth or give a folder "
-            f"name without a suffix (got {dst.name})"
-        )
+    target = _checked_request(src, dst, to, dtype, weights, overwrite)
     heads_config = heads_from_config(meta_config) if meta_config is not None and to == "meta-train" else None
-    if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
-    _refuse_to_replace_source(src, dst)
-
     with _opened(src, weights, heads=to == "meta-train") as ckpt:
-        if not len(ckpt):
-            parts = f" (only {', '.join(sorted({k.split('.')[0] for k in ckpt.heads}))})" if ckpt.heads else ""
-            raise CheckpointError(
-                f"{ckpt.path} holds no backbone{parts}; pass a checkpoint with the backbone's weights"
-            )
+        _refuse_without_backbone(ckpt)
         layout = detect_layout(ckpt)
         native = layout.to_native(ckpt)
         resolved = resolve_model(native, model, dict(model_kwargs or {}), ckpt.hub_config, fuse_layerscale)
-        cast = DTYPES[dtype]
-        fill_dtype = cast or dominant_dtype(native)
-        fitted = fit_to_model(
-            native,
-            expected_state(resolved.config),
-            layout=layout.name,
-            model_name=resolved.name,
-            config=resolved.config,
-            fill_dtype=fill_dtype,
-        )
-        tensors = cast_plan(fitted.plan, cast, keep=[PERIODS])
-        if target.name == "meta-train":
-            export = _export_meta_train(
-                tensors, resolved, fill_dtype, cast, _Heads(ckpt, heads_config, seed, distill_teacher), dst
-            )
-        else:
-            export = _export(target.name, tensors, resolved, fill_dtype, dst, max_shard_size)
+        heads = _Heads(ckpt, heads_config, seed, distill_teacher) if target.name == "meta-train" else None
+        fitted, export = _planned(native, layout.name, resolved, target.name, DTYPES[dtype], dst, max_shard_size, heads)
         warnings = fitted.warnings + export.warnings
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
-        total = export.tensors.nbytes
-        show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
-        folder = target.folder if target.name != "meta-train" else not dst.suffix
-        with (
-            _progress_bar(total, f"{to} {dst.name}", show) as bar,
-            atomic_destination(dst, overwrite, folder=folder) as tmp,
-        ):
-            export.write(tmp, bar)
+        _write(export, dst, target, overwrite, progress)
         return Conversion(
             source=str(src) if isinstance(src, (str, Path)) else str(ckpt.path),
             kind=ckpt.kind,
@@ -215,7 +173,7 @@ def convert_checkpoint(
             variant=resolved.name + (f".{resolved.tag}" if resolved.tag else ""),
             reason=resolved.reason,
             tensors=len(export.tensors),
-            nbytes=total,
+            nbytes=export.tensors.nbytes,
             seconds=time.perf_counter() - start,
             not_held=export.not_held,
             report=fitted.report(),
@@ -223,6 +181,66 @@ def convert_checkpoint(
             notes=export.notes,
             meta_yaml=export.meta_yaml,
         )
+
+
+def _checked_request(src: Any, dst: Path, to: str, dtype: str, weights: str, overwrite: bool) -> Target:
+    """The target, once every argument is known good and the destination may be written."""
+    target = TARGETS.get(to)
+    if target is None:
+        raise CheckpointError(f"unknown target {to!r}; pass --to one of {', '.join(TARGETS)}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join(DTYPES)}")
+    if weights not in WEIGHTS:
+        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
+    if target.name == "meta" and dst.suffix not in (*TORCH_SUFFIXES, ".safetensors"):
+        raise CheckpointError(f"--to meta writes one file: name it .pth or .safetensors (got {dst.name})")
+    if target.name == "meta-train" and dst.suffix not in ("", ".pth"):
+        raise CheckpointError(
+            f"--to meta-train writes a .pth file or a distributed checkpoint folder: name it .pth or give a folder "
+            f"name without a suffix (got {dst.name})"
+        )
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
+    _refuse_to_replace_source(src, dst)
+    return target
+
+
+def _planned(
+    native: Plan,
+    layout: str,
+    resolved: ResolvedModel,
+    to: str,
+    cast: torch.dtype | None,
+    dst: Path,
+    max_shard_size: int | str,
+    heads: _Heads | None = None,
+) -> tuple[Fitted, _Export]:
+    """The checkpoint fitted to its model, cast, and mapped to the target's keys: all planned, nothing read."""
+    fill_dtype = cast or dominant_dtype(native)
+    fitted = fit_to_model(
+        native,
+        expected_state(resolved.config),
+        layout=layout,
+        model_name=resolved.name,
+        config=resolved.config,
+        fill_dtype=fill_dtype,
+    )
+    tensors = cast_plan(fitted.plan, cast, keep=[PERIODS])
+    if heads is not None:
+        return fitted, _export_meta_train(tensors, resolved, fill_dtype, cast, heads, dst)
+    return fitted, _export(to, tensors, resolved, fill_dtype, dst, max_shard_size)
+
+
+def _write(export: _Export, dst: Path, target: Target, overwrite: bool, progress: bool | None) -> None:
+    """The target's files into a temporary name, renamed to `dst` when complete."""
+    total = export.tensors.nbytes
+    show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    folder = target.folder if target.name != "meta-train" else not dst.suffix  # meta-train: .pth or a folder
+    with (
+        _progress_bar(total, f"{target.name} {dst.name}", show) as bar,
+        atomic_destination(dst, overwrite, folder=folder) as tmp,
+    ):
+        export.write(tmp, bar)
 
 
 @contextmanager
@@ -234,6 +252,12 @@ def _opened(src: Any, weights: str, heads: bool) -> Iterator[LazyCheckpoint]:
         return
     with open_checkpoint(src, weights, heads=heads) as ckpt:
         yield ckpt
+
+
+def _refuse_without_backbone(ckpt: LazyCheckpoint) -> None:
+    if not len(ckpt):
+        parts = f" (only {', '.join(sorted({k.split('.')[0] for k in ckpt.heads}))})" if ckpt.heads else ""
+        raise CheckpointError(f"{ckpt.path} holds no backbone{parts}; pass a checkpoint with the backbone's weights")
 
 
 def _refuse_to_replace_source(src: Any, dst: Path) -> None:
@@ -530,11 +554,11 @@ def _differences(infos: Mapping[str, TensorInfo], expected: Mapping[str, Tensor]
         if key in infos and infos[key].shape != target.shape:
             found.append(f"{key} is {list(infos[key].shape)} in the checkpoint but {list(target.shape)} in {name}")
             distance += abs(math.log(max(infos[key].shape.numel(), 1) / max(target.shape.numel(), 1)))
-        elif key not in infos and not key.endswith(_FILLABLE) and not GAMMA_KEY.match(key):
+        elif key not in infos and not key.endswith(_FILLABLE) and not NATIVE_GAMMA_KEY.match(key):
             found.append(f"{name} has {key} {list(target.shape)} and the checkpoint does not")
             distance += 1
     for key in infos:
-        if key not in expected and not key.startswith(("local_cls_norm.", "head.")) and not GAMMA_KEY.match(key):
+        if key not in expected and not key.startswith(("local_cls_norm.", "head.")) and not NATIVE_GAMMA_KEY.match(key):
             found.append(f"the checkpoint has {key} {list(infos[key].shape)} and {name} does not")
             distance += 1
     return found, distance

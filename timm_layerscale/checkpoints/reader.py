@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import dcp
+from .dtypes import torch_dtype, unknown_name_reason
 from .errors import CheckpointError, reason, torch_load_error
 from .sniff import PASS_WEIGHTS, sniff
 
@@ -305,11 +306,9 @@ def _flat_safetensors_read(path: Path) -> _Flat:
 
 
 def _safetensors_dtype(name: str, key: str, path: Path) -> torch.dtype:
-    dtype = getattr(torch, SAFETENSORS_DTYPES.get(name, ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(
-            f"{path} stores {key} as {name}, which has no torch dtype here; save it as F32, BF16 or F16"
-        )
+    dtype = torch_dtype(name)
+    if dtype is None:
+        raise CheckpointError(f"{path} stores {key} as {unknown_name_reason(name)}; save it as F32, BF16 or F16")
     return dtype
 
 
@@ -439,27 +438,6 @@ def _open_path(path: Path) -> _Flat:
     if not path.is_file():
         raise CheckpointError(f"{path} is not a regular file (a device or pipe?); {PASS_WEIGHTS}")
     return _open_file(path)
-
-
-SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-    "C64": "complex64",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
 
 
 def open_checkpoint(

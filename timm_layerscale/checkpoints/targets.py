@@ -23,7 +23,7 @@ import torch
 from ..config import VitLsConfig
 from ..layers import swiglu_hidden_features
 from .errors import CheckpointError
-from .layer_scale import GAMMA_KEY
+from .gamma_keys import NATIVE_GAMMA_KEY
 from .layouts import META, NATIVE, TIMM_EVA, TRANSFORMERS, Layout
 from .plan import Plan, Step, passthrough
 from .writers import Progress, atomic_destination, write_safetensors, write_text
@@ -288,4 +288,4 @@ def unheld_groups(keys: list[str]) -> list[str]:
 
 
 def gamma_keys(keys: Mapping[str, Any]) -> list[str]:
-    return [k for k in keys if GAMMA_KEY.match(k)]
+    return [k for k in keys if NATIVE_GAMMA_KEY.match(k)]
