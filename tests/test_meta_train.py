@@ -298,15 +298,16 @@ def test_the_weights_set_picks_whose_heads_are_carried():
     torch.manual_seed(0)
 
     def one_set(scale: float) -> dict:
-        return {"backbone": {"cls_token": torch.full((1, 1, 4), scale)},
-                "dino_head": {"last_layer": {"weight": torch.full((6, 2), scale)}},
-                "ibot_head": {"last_layer": {"weight": torch.full((5, 2), scale)}}}  # fmt: skip
+        # More head keys than backbone keys: the heads must not decide which wrapper is stripped.
+        head = {"mlp": {"0": {"weight": torch.full((3, 4), scale), "bias": torch.full((3,), scale)}},
+                "last_layer": {"weight": torch.full((6, 2), scale)}}  # fmt: skip
+        return {"backbone": {"cls_token": torch.full((1, 1, 4), scale)}, "dino_head": head, "ibot_head": head}
 
     state = {"model": {"student": one_set(1.0), "teacher": one_set(2.0), "dino_loss": {"center": torch.ones(6)}}}
     for weights, value in (("raw", 1.0), ("ema", 2.0), ("auto", 2.0)):
         with open_checkpoint(state, weights, heads=True) as ckpt:
             assert list(ckpt) == ["cls_token"] and ckpt["cls_token"].max() == value
-            assert sorted(ckpt.heads) == ["dino_head.last_layer.weight", "ibot_head.last_layer.weight"]
+            assert len(ckpt.heads) == 6 and "ibot_head.mlp.0.bias" in ckpt.heads
             assert ckpt.heads["dino_head.last_layer.weight"].max() == value
 
 
@@ -532,6 +533,7 @@ def test_the_dtype_is_fp32_by_default_and_keep_keeps_the_sources(tmp_path):
         ({"dino_head.last_layer.weight": (96, 16)}, "carries dino_head but no ibot_head"),
         ({"ibot_head.last_layer.weight": (96, 16)}, "carries ibot_head but no dino_head"),
         ({"dino_head.mlp.0.weight": (48, 64), "ibot_head.mlp.0.weight": (40, 64)}, "dino_head is not a DINOHead"),
+        ({"dino_head.last_layer.weight": (9, 4), "ibot_head.last_layer.weight": (9, 4)}, "dino_head is not a DINOHead"),
         ("no_bias", "dino_head differs from Meta's DINOHead of in_dim 64 at mlp.2.bias"),
         ("in_dim", "dino_head differs from Meta's DINOHead of in_dim 64 at mlp.0.weight"),
     ],

@@ -412,9 +412,9 @@ def _joined(parts: Mapping[str, Mapping[str, Tensor]]) -> LazyCheckpoint:
 
 
 def released_shape(resolved: ResolvedModel) -> bool:
-    """Whether the model has the shapes of a released DINOv3 (a shipped `*_dinov3` variant, shapes unchanged)."""
+    """Whether the model has the shapes of a released DINOv3: a shipped variant (each is one), shapes unchanged."""
     variant = VARIANTS.get(resolved.name)
-    if variant is None or not resolved.name.endswith("_dinov3"):
+    if variant is None:
         return False
     base, config = variant.config, resolved.config
     shape = ("embed_dim", "depth", "num_heads", "patch_size", "ffn_layer", "ffn_ratio", "swiglu_align_to")
