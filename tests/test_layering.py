@@ -23,6 +23,7 @@ LAYERS = (
     ("variants", 4),
     ("loading", 5),
     ("hub", 5),
+    ("meta_heads", 5),
     ("convert", 6),
     ("publish", 6),
     ("export", 6),

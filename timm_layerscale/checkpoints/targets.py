@@ -4,6 +4,7 @@
 |---|---|---|
 | native | `model.safetensors` | timm `config.json`: a registered vit_ls architecture and every model arg |
 | meta | one `.pth` (or `.safetensors`) | none (Meta's code builds the model) |
+| meta-train | `{"teacher": ...}` `.pth`, or a DCP folder (`iteration`, `model.*`) | none (Meta's training YAML) |
 | hf | `model.safetensors` (sharded above 5 GB, with an index) | transformers `config.json` (DINOv3ViTModel) |
 | timm | `model.safetensors` | timm `config.json`: eva's DINOv3 architecture (`_qkvb` for q/v biases) |
 """
@@ -48,6 +49,13 @@ TARGETS = {
     for t in (
         Target("native", NATIVE, False, True, "this package's layout with a timm config.json"),
         Target("meta", META, True, False, "Meta's DINOv3 keys in one .pth or .safetensors file"),
+        Target(
+            "meta-train",
+            META,
+            True,
+            False,
+            "what Meta's DINOv3 trainer loads: backbone and heads, a .pth or a distributed checkpoint folder",
+        ),
         Target("hf", TRANSFORMERS, True, True, "transformers' DINOv3ViTModel folder"),
         Target("timm", TIMM_EVA, True, True, "timm's eva DINOv3 folder"),
     )

@@ -112,8 +112,10 @@ def write_sharded_safetensors(
     return files
 
 
-def write_torch_file(path: Path, tensors: Mapping[str, Tensor], progress: Progress | None = None) -> int:
-    """A flat torch state dict (`torch.save`), with private memory kept near one tensor.
+def write_torch_file(
+    path: Path, tensors: Mapping[str, Tensor], progress: Progress | None = None, under: str | None = None
+) -> int:
+    """A flat torch state dict (`torch.save`), or `{under: state dict}`, with private memory kept near one tensor.
 
     `torch.save` needs every tensor at once, so the tensors are first streamed into a safetensors file
     beside it and saved from that file's memory-mapped pages: the data is written twice.
@@ -122,7 +124,8 @@ def write_torch_file(path: Path, tensors: Mapping[str, Tensor], progress: Progre
     try:
         written = write_safetensors(staging, tensors, progress=progress)
         with safe_open(str(staging), framework="pt") as mapped, path.open("wb") as f:
-            torch.save({key: mapped.get_tensor(key) for key in tensors}, f)
+            state = {key: mapped.get_tensor(key) for key in tensors}
+            torch.save(state if under is None else {under: state}, f)
             _sync(f)
     finally:
         staging.unlink(missing_ok=True)
