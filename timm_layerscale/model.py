@@ -23,7 +23,10 @@ from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-@register_notrace_function  # FX records one call: the checks need the image size as numbers
+# One call in every FX graph (torch.fx.wrap for any tracer, timm's list for timm's): the checks need the
+# image size as numbers, known only at run time, so a traced graph checks and works at any size.
+@torch.fx.wrap
+@register_notrace_function
 def patch_grid(image: torch.Tensor, patch_size: int, pad: bool) -> tuple[int, int]:
     """Patches per side of `image`, padded up when `pad`, else an error for a side that is not a multiple."""
     height, width = image.shape[-2], image.shape[-1]
