@@ -8,6 +8,7 @@ from conftest import TINY, VARIANT, max_diff, move_off_init_
 from packaging.version import Version
 from PIL import Image
 from safetensors.torch import save_file
+from timm.layers import RotaryEmbeddingDinoV3
 from timm.models._manipulate import group_parameters
 
 from timm_layerscale import VisionTransformerLS, convert_checkpoint, save_native
@@ -305,6 +306,28 @@ def test_masks_replace_patch_tokens(images):
     masks[:, 3] = True
     tokens = model.prepare_tokens(images, masks)
     assert torch.equal(tokens[:, 5 + 3], model.mask_token.expand(2, -1))
+
+
+AUGMENT = dict(shift_coords=0.2, jitter_coords=1.5, rescale_coords=2.0)
+
+
+@pytest.mark.parametrize("normalize_coords", ["separate", "max", "min"])
+@pytest.mark.parametrize("augment", [{}, dict(shift_coords=0.2), AUGMENT], ids=["none", "shift", "all"])
+def test_rope_matches_timms_dinov3_rope(normalize_coords, augment):
+    """timm's RotaryEmbeddingDinoV3 (DINOv3's coordinates, augmentations and draw order) on a 3x5 grid."""
+    coords = dict(normalize_coords=normalize_coords, **augment)
+    ours = RopeEmbedding(16, num_prefix_tokens=5, round_periods_to_bf16=False, **coords)
+    timms = RotaryEmbeddingDinoV3(16, temperature=100.0, **coords)
+    for training in (False, True):
+        ours.train(training), timms.train(training)
+        torch.manual_seed(0)
+        signed_sin, cos = ours(3, 5)
+        torch.manual_seed(0)
+        expected_sin, expected_cos = timms.get_embed(shape=[3, 5]).chunk(2, dim=-1)
+        assert not signed_sin[:5].any() and (cos[:5] == 1).all()  # the prefix tokens are not rotated
+        assert max_diff(signed_sin[5:, 8:], expected_sin[:, 8:]) <= 1e-6
+        assert max_diff(signed_sin[5:, :8], -expected_sin[:, :8]) <= 1e-6
+        assert max_diff(cos[5:], expected_cos) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
