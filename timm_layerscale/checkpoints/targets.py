@@ -91,12 +91,9 @@ def pretrained_cfg_fields(pretrained_cfg: Mapping[str, Any], num_classes: int) -
 def native_config(config: VitLsConfig, architecture: str, pretrained_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """timm's config.json for this package's weights: `local-dir:` and `hf-hub:` rebuild the exact model.
 
-    Every model arg is written, so the folder does not depend on the variant's YAML defaults of the day;
-    LayerScale off is written as 0 because timm drops keyword arguments whose value is None.
+    Every model arg is written, so the folder does not depend on the variant's YAML defaults of the day.
     """
-    model_args = config.to_dict()
-    if model_args["init_values"] is None:
-        model_args["init_values"] = 0
+    model_args = config.rebuild_args()
     return {
         "architecture": architecture,
         "num_classes": config.num_classes,
