@@ -6,7 +6,10 @@ from torch import nn
 from .rope import apply_rope, apply_rope_low_precision
 
 
-@register_notrace_function  # FX records one call: the path depends on the dtype, and adds into views in place
+# One call in every FX graph (torch.fx.wrap for any tracer, timm's list for timm's): the path depends on the
+# dtype, and it adds into views in place.
+@torch.fx.wrap
+@register_notrace_function
 def rotate_queries_keys(qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """RoPE on the stacked q/k slice of qkv `[batch, tokens, 2, heads, head_dim]`, q and k in one pass.
 
