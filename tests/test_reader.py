@@ -199,7 +199,7 @@ def test_transformers_hub_folder(tmp_path):
         assert (ckpt.kind, ckpt.weights, ckpt.files) == (
             "Hub folder",
             "the only weights set",
-            (tmp_path / "model.safetensors",),
+            (tmp_path / "model.safetensors", tmp_path / "config.json"),
         )
         assert ckpt.hub_config["model_type"] == "dinov3_vit" and ckpt.hub_config["hidden_size"] == 64
         # transformers 5 saves its `model.layer.N` blocks as `layer.N`, the Hub files' spelling
@@ -212,7 +212,10 @@ def test_timm_hub_folder_and_bin(tmp_path):
     save_for_hf(model, tmp_path / "bin", safe_serialization=False)
     for folder, weights in (("safetensors", "model.safetensors"), ("bin", "pytorch_model.bin")):
         with open_checkpoint(tmp_path / folder) as ckpt:
-            assert (ckpt.kind, ckpt.files) == ("Hub folder", (tmp_path / folder / weights,))
+            assert (ckpt.kind, ckpt.files) == (
+                "Hub folder",
+                (tmp_path / folder / weights, tmp_path / folder / "config.json"),
+            )
             assert ckpt.hub_config["architecture"] == "vit_small_patch16_dinov3"
             assert equal(model.state_dict(), ckpt)
 
@@ -285,7 +288,8 @@ def meta_run(tmp_path_factory):
 def test_meta_dcp_training_checkpoint(meta_run, weights, taken, values):
     assert sorted(p.name for p in meta_run["ckpt"].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     with open_checkpoint(meta_run["ckpt"], weights) as ckpt:
-        assert (ckpt.kind, ckpt.weights, ckpt.files) == ("distributed checkpoint", taken, (meta_run["ckpt"],))
+        files = tuple(meta_run["ckpt"] / name for name in (".metadata", "__0_0.distcp", "__1_0.distcp"))
+        assert (ckpt.kind, ckpt.weights, ckpt.files) == ("distributed checkpoint", taken, files)
         expected = meta_run[values]
         assert all(ckpt.info(k) == TensorInfo(v.shape, v.dtype) for k, v in expected.items())
         assert ckpt.nbytes == sum(v.nbytes for v in expected.values())
