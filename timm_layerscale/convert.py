@@ -12,6 +12,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -141,9 +142,9 @@ def convert_checkpoint(
         raise CheckpointError(f"--to meta writes one file: name it .pth or .safetensors (got {dst.name})")
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
-    _refuse_to_replace_source(src, dst)
 
     with _opened(src, weights) as ckpt:
+        _refuse_to_replace_source(ckpt, dst)
         layout = detect_layout(ckpt)
         native = layout.to_native(ckpt)
         resolved = resolve_model(native, model, dict(model_kwargs or {}), ckpt.hub_config, fuse_layerscale)
@@ -196,14 +197,21 @@ def _opened(src: Any, weights: str) -> Iterator[LazyCheckpoint]:
         yield ckpt
 
 
-def _refuse_to_replace_source(src: Any, dst: Path) -> None:
-    if isinstance(src, LazyCheckpoint):
-        src = src.path
-    if not isinstance(src, (str, Path)):
-        return
-    source, destination = Path(src).resolve(), dst.resolve()
-    if source == destination or destination in source.parents:
-        raise CheckpointError(f"{dst} would replace the source {src}; choose another destination")
+def _refuse_to_replace_source(ckpt: LazyCheckpoint, dst: Path) -> None:
+    """Refuses a destination whose writing replaces a file the source reads: DST, or any file under a DST
+    folder, that is one of them by device and inode (so also under another name, a symlink or a hard link)."""
+    read = {_identity(path): path for path in ckpt.files}
+    replaced = [dst, *(Path(parent, name) for parent, _, names in sorted(os.walk(dst)) for name in sorted(names))]
+    for path in replaced:
+        source = read.get(_identity(path)) if path.exists() else None
+        if source is not None:
+            same = f" ({path} is the same file)" if path != dst and path.resolve() != source.resolve() else ""
+            raise CheckpointError(f"{dst} would replace the source file {source}{same}; choose another destination")
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino
 
 
 @contextmanager
