@@ -13,7 +13,7 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, move_off_init_
+from conftest import TINY, mapped_ranges, move_off_init_
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import save_file
 from timm.models import save_for_hf
@@ -488,17 +488,6 @@ def test_safetensors_reads_are_views_of_the_mapped_file(tmp_path):
         tensor = ckpt["blocks.1.mlp.fc1.weight"]
         assert torch.equal(tensor, sd["blocks.1.mlp.fc1.weight"])
         assert any(tensor.data_ptr() in r for r in mapped_ranges(tmp_path / "model.safetensors"))
-
-
-def mapped_ranges(path) -> list[range]:
-    """Address ranges at which this process maps `path`."""
-    ranges = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *_, name = line.split(maxsplit=5)
-        if name.strip() == str(path):
-            start, end = (int(a, 16) for a in span.split("-"))
-            ranges.append(range(start, end))
-    return ranges
 
 
 def test_safetensors_files_too_large_to_map_are_read_tensor_by_tensor(tmp_path):
