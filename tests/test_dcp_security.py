@@ -144,6 +144,10 @@ ATTACKS: dict[str, tuple[bytes, str]] = {
         build(new(glob(METADATA, "TensorProperties")), tup(glob("torch", "float32"))),
         "gives a TensorProperties the state",
     ),
+    "BUILD TensorProperties, a list": (
+        build(new(glob(METADATA, "TensorProperties")), lst(*[pickle.NONE] * 5)),
+        "gives a TensorProperties the state [None, None, None, None, None] (pickle BUILD)",
+    ),
     "NEWOBJ PurePosixPath": (new(POSIX), "creates an instance of the class pathlib.PurePosixPath (pickle NEWOBJ)"),
     "NEWOBJ a dataclass with arguments": (
         glob(METADATA, "Metadata") + tup(dct()) + pickle.NEWOBJ,
@@ -158,6 +162,9 @@ ATTACKS: dict[str, tuple[bytes, str]] = {
     "REDUCE torch.Size with two args": (call(SIZE, tup(), tup()), "calls the class torch.Size with ((), ())"),
     "REDUCE torch.Size with a list of args": (SIZE + lst() + pickle.REDUCE, "calls the class torch.Size with []"),
     "REDUCE PurePosixPath of an int": (call(POSIX, integer(1)), "calls the class pathlib.PurePosixPath with (1,)"),
+    "REDUCE PurePosixPath with a list of args": (POSIX + lst(text("a")) + pickle.REDUCE, "PurePosixPath with ['a']"),
+    "REDUCE _get_layout with two args": (call(LAYOUT, text("torch.strided"), text("x")), "('torch.strided', 'x')"),
+    "REDUCE _MEM_FORMAT_ENCODING with two args": (call(MEM_FORMAT, integer(0), lst()), "ENCODING with (0, [])"),
     "REDUCE _MEM_FORMAT_ENCODING makes an enum": (
         call(MEM_FORMAT, text("X"), lst(text("A"))),
         "calls the class torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING with ('X', ['A'])",
@@ -351,6 +358,10 @@ def test_an_instance_needs_its_fields(saved, tmp_path):
         ),
         (lambda md, key: setattr(md.state_dict_metadata[key].chunks[0], "sizes", None), "gives {key} no valid"),
         (lambda md, key: md.storage_data.update({key: None}), "lists a stored item as str: NoneType"),
+        (
+            lambda md, key: md.storage_data.update({key: next(iter(md.storage_data.values()))}),
+            "lists a stored item as str: _StorageInfo",
+        ),
         (
             lambda md, key: md.storage_data.update({k: None for k in list(md.storage_data)[:1]}),
             "lists a stored item as MetadataIndex: NoneType",
