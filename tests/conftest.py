@@ -83,3 +83,13 @@ def mapped_ranges(path) -> list[range]:
             start, end = (int(a, 16) for a in span.split("-"))
             ranges.append(range(start, end))
     return ranges
+
+
+class Exploit:
+    """Unpickling this creates the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))

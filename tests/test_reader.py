@@ -13,7 +13,7 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, mapped_ranges, move_off_init_
+from conftest import TINY, Exploit, mapped_ranges, move_off_init_
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import save_file
 from timm.models import save_for_hf
@@ -365,16 +365,6 @@ def test_dcp_reads_only_the_requested_key(meta_run, tmp_path):
             r"cls_token failed \(Unsupported operand 0\); copy the whole folder again$",
         ):
             ckpt["cls_token"]
-
-
-class Exploit:
-    """Unpickling this creates `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
 
 
 def test_dcp_never_unpickles_bytes_items(meta_run, tmp_path):
