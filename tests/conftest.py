@@ -72,3 +72,24 @@ def ls_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+def mapped_ranges(path) -> list[range]:
+    """Address ranges at which this process maps `path`."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *_, name = line.split(maxsplit=5)
+        if name.strip() == str(path):
+            start, end = (int(a, 16) for a in span.split("-"))
+            ranges.append(range(start, end))
+    return ranges
+
+
+class Exploit:
+    """Unpickling this creates the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))

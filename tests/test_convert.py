@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import EVA, FIXTURES, TINY, VARIANT, max_diff, move_off_init_, transformers_reference
+from conftest import EVA, FIXTURES, TINY, VARIANT, mapped_ranges, max_diff, move_off_init_, transformers_reference
 from hub_server import LocalHub, hub_env
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -344,14 +344,43 @@ def test_conversion_streams_one_tensor_at_a_time(target, tmp_path):
     assert [recorder.alive_at_read[i] for i in reads] == [0] * len(weights)
 
 
-def test_lazy_reader_is_the_path_taken(tmp_path):
-    """Through `convert_checkpoint(path)`: the source is opened memory-mapped, never loaded whole."""
+def test_lazy_reader_is_the_path_taken(tmp_path, monkeypatch):
+    """Through `convert_checkpoint(path)`: the torch file is memory-mapped, never loaded whole, and each tensor is
+    read from the file only when its turn comes: bytes changed on disk after the first read land in the output."""
     src, _ = make_source("meta", tmp_path)
-    torch.save(load_file(src), tmp_path / "meta.pth")
-    with open_checkpoint(tmp_path / "meta.pth") as ckpt:
-        assert ckpt.kind == "torch file"
-    result = convert(tmp_path / "meta.pth", tmp_path / "out", "hf")
-    assert result.tensors == len(load_file(tmp_path / "out" / "model.safetensors"))
+    path = tmp_path / "meta.pth"
+    torch.save(load_file(src), path)
+    late = "blocks.1.mlp.fc2.weight"
+    old = load_file(src)[late]
+    new = -2 * old
+    offset = path.read_bytes().find(old.numpy().tobytes())
+    assert offset > 0 and path.read_bytes().count(old.numpy().tobytes()) == 1
+    reads, mapped = [], []
+
+    def opened(source, weights, **kwargs):
+        ckpt = open_checkpoint(source, weights, **kwargs)
+        inner = ckpt._read
+
+        def read(key):
+            if not reads and key != late:  # after the first read, the late tensor changes on disk
+                with path.open("r+b") as f:
+                    f.seek(offset)
+                    f.write(new.numpy().tobytes())
+            reads.append(key)
+            tensor = inner(key)
+            mapped.append(any(tensor.data_ptr() in r for r in mapped_ranges(path)))
+            return tensor
+
+        ckpt._read = read
+        return ckpt
+
+    monkeypatch.setattr("timm_layerscale.convert.open_checkpoint", opened)
+    result = convert(path, tmp_path / "out", "hf")
+    assert reads[0] != late and late in reads
+    assert all(mapped)  # every tensor a view of the file's mapped pages
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert result.tensors == len(written)
+    assert torch.equal(written["layer.1.mlp.down_proj.weight"], new)  # read after the change, not before
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
 

@@ -12,6 +12,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -153,6 +154,7 @@ def convert_checkpoint(
     target = _checked_request(src, dst, to, dtype, weights, overwrite)
     heads_config = heads_from_config(meta_config) if meta_config is not None and to == "meta-train" else None
     with _opened(src, weights, heads=to == "meta-train") as ckpt:
+        _refuse_to_replace_source(ckpt, dst)
         _refuse_without_backbone(ckpt)
         layout = detect_layout(ckpt)
         native = layout.to_native(ckpt)
@@ -184,7 +186,7 @@ def convert_checkpoint(
 
 
 def _checked_request(src: Any, dst: Path, to: str, dtype: str, weights: str, overwrite: bool) -> Target:
-    """The target, once every argument is known good and the destination may be written."""
+    """The target, once every argument is known good and the destination is free (or may be replaced)."""
     target = TARGETS.get(to)
     if target is None:
         raise CheckpointError(f"unknown target {to!r}; pass --to one of {', '.join(TARGETS)}")
@@ -201,7 +203,6 @@ def _checked_request(src: Any, dst: Path, to: str, dtype: str, weights: str, ove
         )
     if dst.exists() and not overwrite:
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
-    _refuse_to_replace_source(src, dst)
     return target
 
 
@@ -260,14 +261,21 @@ def _refuse_without_backbone(ckpt: LazyCheckpoint) -> None:
         raise CheckpointError(f"{ckpt.path} holds no backbone{parts}; pass a checkpoint with the backbone's weights")
 
 
-def _refuse_to_replace_source(src: Any, dst: Path) -> None:
-    if isinstance(src, LazyCheckpoint):
-        src = src.path
-    if not isinstance(src, (str, Path)):
-        return
-    source, destination = Path(src).resolve(), dst.resolve()
-    if source == destination or destination in source.parents:
-        raise CheckpointError(f"{dst} would replace the source {src}; choose another destination")
+def _refuse_to_replace_source(ckpt: LazyCheckpoint, dst: Path) -> None:
+    """Refuses a destination whose writing replaces a file the source reads: DST, or any file under a DST
+    folder, that is one of them by device and inode (so also under another name, a symlink or a hard link)."""
+    read = {_identity(path): path for path in ckpt.files}
+    replaced = [dst, *(Path(parent, name) for parent, _, names in sorted(os.walk(dst)) for name in sorted(names))]
+    for path in replaced:
+        source = read.get(_identity(path)) if path.exists() else None
+        if source is not None:
+            same = f" ({path} is the same file)" if path != dst and path.resolve() != source.resolve() else ""
+            raise CheckpointError(f"{dst} would replace the source file {source}{same}; choose another destination")
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino
 
 
 @contextmanager

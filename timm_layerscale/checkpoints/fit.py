@@ -18,7 +18,6 @@ from .gamma_keys import NATIVE_GAMMA_KEY
 from .layer_scale import LayerScalePlan, plan_layer_scale, suspicious_gammas
 from .layouts import effective_qkv_bias
 from .plan import Plan, Step
-from .reader import TensorInfo
 
 Tensor = torch.Tensor
 
@@ -191,7 +190,3 @@ def _check_complete(plan: Plan, expected: Mapping[str, Tensor], layout: str, nam
             f"the {layout} checkpoint has {extra[0]} {shape} that {name} does not hold"
             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; build {_option_hint(extra[0], True)}"
         )
-
-
-def expected_infos(expected: Mapping[str, Tensor]) -> dict[str, TensorInfo]:
-    return {k: TensorInfo(v.shape, v.dtype) for k, v in expected.items()}

@@ -327,11 +327,12 @@ def _flat_dcp(folder: Path) -> _Flat:
     items = dcp.tensor_items(metadata)
     infos = {key: TensorInfo(*item) for key, item in items.items()}
     read = dcp.tensor_reader(folder, metadata)
+    files = dcp.stored_files(folder, metadata)
     if folder.name == META_EVAL_TEACHER[0]:
         # Meta saves the EMA teacher here under `model.`: name it as the teacher it is.
         renamed = {"teacher." + k.removeprefix("model."): k for k in infos}
-        return _Flat(KIND_DCP, {k: infos[v] for k, v in renamed.items()}, lambda k: read(renamed[k]), (folder,))
-    return _Flat(KIND_DCP, infos, read, (folder,))
+        return _Flat(KIND_DCP, {k: infos[v] for k, v in renamed.items()}, lambda k: read(renamed[k]), files)
+    return _Flat(KIND_DCP, infos, read, files)
 
 
 def read_index(index: Path) -> dict[str, str]:
@@ -400,6 +401,7 @@ def _open_folder(folder: Path) -> _Flat:
             if not isinstance(flat.hub_config, dict):
                 raise CheckpointError(f"{config_path} is not a model config (a JSON object); download it again")
             flat.kind = KIND_HUB_FOLDER
+            flat.files = (*flat.files, config_path)
         return flat
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if len(indexes) == 1:

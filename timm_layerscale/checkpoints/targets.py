@@ -23,7 +23,6 @@ import torch
 from ..config import VitLsConfig
 from ..layers import swiglu_hidden_features
 from .errors import CheckpointError
-from .gamma_keys import NATIVE_GAMMA_KEY
 from .layouts import META, NATIVE, TIMM_EVA, TRANSFORMERS, Layout
 from .plan import Plan, Step, passthrough
 from .writers import Progress, atomic_destination, write_safetensors, write_text
@@ -282,7 +281,3 @@ def unheld_groups(keys: list[str]) -> list[str]:
         if name not in groups:
             groups.append(name)
     return groups
-
-
-def gamma_keys(keys: Mapping[str, Any]) -> list[str]:
-    return [k for k in keys if NATIVE_GAMMA_KEY.match(k)]
