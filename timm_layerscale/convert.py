@@ -26,7 +26,7 @@ from timm.models import get_pretrained_cfg
 from .checkpoints.errors import CheckpointError
 from .checkpoints.fit import fit_to_model
 from .checkpoints.layer_scale import GAMMA_KEY
-from .checkpoints.layouts import detect_layout, effective_qkv_bias
+from .checkpoints.layouts import detect_layout, effective_qkv_bias, layout_title
 from .checkpoints.plan import Plan, cast_plan
 from .checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
 from .checkpoints.targets import (
@@ -64,6 +64,9 @@ TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 _FILLABLE = ("attn.qkv.bias_mask", PERIODS, "mask_token")
 
 
+MAX_LISTED = 80  # characters of model arguments the summary line lists; `model_args` has them all
+
+
 @dataclass
 class ResolvedModel:
     """The model a checkpoint holds: its variant, full config, and why that variant."""
@@ -93,11 +96,14 @@ class Conversion:
     not_held: list[str]
     report: list[str]
     warnings: list[str]
+    keys: str = ""  # the source's keys as users name them: "Meta DINOv3 keys"
+    model_args: dict[str, Any] = field(default_factory=dict)  # the full config of the model written
 
     def summary(self) -> str:
         held = f"; not held by {self.target}: {', '.join(self.not_held)}" if self.not_held else ""
         return (
-            f"converted {self.source} ({self.kind}, {self.layout} layout, weights: {self.weights}) to {self.target} "
+            f"converted {self.source} ({self.kind}, {self.keys or self.layout}, weights: {self.weights}) to "
+            f"{self.target} "
             f"{self.destination}: {self.variant} ({self.reason}), {self.tensors} tensors, "
             f"{_size(self.nbytes)}, {self.seconds:.1f} s{held}"
         )
@@ -149,10 +155,11 @@ def convert_checkpoint(
         resolved = resolve_model(native, model, dict(model_kwargs or {}), ckpt.hub_config, fuse_layerscale)
         cast = DTYPES[dtype]
         fill_dtype = cast or dominant_dtype(native)
+        keys_title = layout_title(layout, ckpt)
         fitted = fit_to_model(
             native,
             expected_state(resolved.config),
-            layout=layout.name,
+            layout=keys_title,
             model_name=resolved.name,
             config=resolved.config,
             fill_dtype=fill_dtype,
@@ -184,6 +191,8 @@ def convert_checkpoint(
             not_held=export.not_held,
             report=fitted.report(),
             warnings=warnings,
+            keys=keys_title,
+            model_args=resolved.config.to_dict(),
         )
 
 
@@ -433,8 +442,9 @@ def resolve_model(
             f"pass --model NAME and --model-kwargs for what differs (e.g. embed_dim=... depth=... num_heads=...)"
         )
     pretrained = hub_pretrained or _pretrained_cfg(name, tag)
-    if overrides:
-        reason += ", with " + " ".join(f"{k}={v}" for k, v in overrides.items())
+    listed = " ".join(f"{k}={v}" for k, v in overrides.items())
+    if overrides:  # a config.json's every argument would make the summary line a paragraph: counted instead
+        reason += f", with {listed}" if len(listed) <= MAX_LISTED else f", with {len(overrides)} model arguments"
     return ResolvedModel(name, tag, config, reason, pretrained)
 
 

@@ -93,6 +93,7 @@ class Layout:
     rules: tuple[Rule, ...]
     # Spellings of the same keys that loading accepts (source prefix -> table prefix).
     aliases: tuple[tuple[str, str], ...] = field(default=())
+    title: str = ""  # the keys as users name them, for messages: "Meta DINOv3 keys"
 
     def to_native(self, source: Mapping[str, Tensor]) -> Plan:
         """Native keys from this layout; keys the table does not know pass through (for the checks to name)."""
@@ -189,8 +190,10 @@ NATIVE_KEYS = (
     "head.{p}",
 )
 
-NATIVE = Layout("native", tuple(row(key, key) for key in NATIVE_KEYS))
-META = Layout("meta", tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")))
+NATIVE = Layout("native", tuple(row(key, key) for key in NATIVE_KEYS), title="timm-layerscale keys")
+META = Layout(
+    "meta", tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")), title="Meta DINOv3 keys"
+)
 
 TRANSFORMERS = Layout(
     "transformers",
@@ -225,6 +228,7 @@ TRANSFORMERS = Layout(
         row("norm.{p}", "norm.{p}"),
     ),
     aliases=(("model.layer.", "layer."),),  # transformers 5 names the blocks so in memory
+    title="transformers DINOv3ViTModel keys",
 )
 
 TIMM_EVA = Layout(
@@ -254,9 +258,15 @@ TIMM_EVA = Layout(
         row("norm.{p}", "norm.{p}"),
         row("head.{p}", "head.{p}"),
     ),
+    title="timm eva keys",
 )
 
-LAYOUTS = {layout.name: layout for layout in (META, TRANSFORMERS, TIMM_EVA)}
+
+def layout_title(layout: Layout, keys: Iterable[str]) -> str:
+    """The keys as users name them. Ours are Meta's; a classifier head marks a timm-layerscale model's own."""
+    if layout is META and any(key.startswith("head.") for key in keys):
+        return NATIVE.title
+    return layout.title
 
 
 # ----------------------------------------------------------------------------------------------- detect

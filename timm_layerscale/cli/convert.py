@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
 
 from ..checkpoints.reader import open_checkpoint
 from ..checkpoints.targets import TARGETS
@@ -49,6 +51,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--fuse-layerscale", action="store_true", help="fold every gamma into the layer before it")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--strict", action="store_true", help="refuse NaN/Inf gammas and outputs the target changes")
+    parser.add_argument(
+        "--json", action="store_true", help="print what was done as JSON, every model argument included"
+    )
     parser.set_defaults(func=convert)
 
 
@@ -69,6 +74,9 @@ def convert(args: argparse.Namespace) -> int:
         )
     for warning in result.warnings:
         print(f"timm-ls: warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(dict(asdict(result), destination=str(result.destination), summary=result.summary()), indent=1))
+        return 0
     for line in result.report:
         print(f"  {line}")
     print(result.summary())

@@ -25,11 +25,11 @@ from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
 from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
-from ..tools.gammas import BRANCHES, BranchStats, find_gamma_keys, fmt, gamma_stats
+from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, fmt, gamma_stats
 from ..tools.shapes import make_shapes
 from ..tools.trainer import evaluate, train
 from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
-from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
+from .gamma_report import DEFAULT_PLOT, add_plot_arguments, draw, plot_target, stats_table
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 WHAT_IS_A_GAMMA = (
@@ -67,7 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     parser.add_argument("--image", action="append", default=[], metavar="PATH", help="with weights: run these images")
-    add_plot_arguments(parser, "layerscale_gammas.png")
+    add_plot_arguments(parser, DEFAULT_PLOT)
     parser.set_defaults(func=demo)
 
 
@@ -94,6 +94,8 @@ def _experiment(args: argparse.Namespace) -> Experiment:
         experiment = check(experiment.replace(train=dataclasses.replace(experiment.train, steps=args.steps)), "--steps")
     if args.threads < 1:
         raise CliError(f"--threads: got {args.threads}; allowed: a positive integer")
+    if note := experiment.train.short_warmup_note():
+        warn(note)
     return experiment
 
 
@@ -207,7 +209,7 @@ def watch_training(args: argparse.Namespace) -> int:
         ((label, b, c[1].mean) for label, branches in changes for b, c in branches.items() if c is not None),
         key=lambda t: t[2],
     )
-    print(f"loudest branch now: block {loudest[0]} {loudest[1]} (mean |gamma| {loudest[2]:.3g})")
+    print(f"loudest branch now: {block_name(loudest[0])} {loudest[1]} (mean |gamma| {loudest[2]:.3g})")
     if plot_line:
         print(plot_line)
     print(
