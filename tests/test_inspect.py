@@ -353,17 +353,20 @@ def overlapping(boxes) -> list[tuple[int, int]]:
 
 
 def test_stats_reduce_in_float64_so_the_mean_lies_between_min_and_max():
-    stats = BranchStats.of(torch.full((384,), 1e-5))  # a float32 mean of these is 9.99999e-06, below each
-    assert stats.mean == stats.median == stats.min == stats.max == 1e-05
+    for channels in (192, 384, 1536):  # CaiT-XXS, ViT-S, ViT-L: float32 means of 1e-5 fall below or above it
+        stats = BranchStats.of(torch.full((channels,), 1e-5))
+        assert stats.mean == stats.median == stats.min == stats.max == 1e-05, channels
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
         stats = BranchStats.of(torch.rand(1536, generator=generator) * 1e-3 + 1e-5)
         assert stats.min <= stats.mean <= stats.max and stats.min <= stats.median <= stats.max
 
 
-def test_a_flat_series_gets_a_readable_log_axis():
+@pytest.mark.parametrize("spread", [0.0, 1e-6])  # all equal, or nearly (1e-5 and 1.00001e-5)
+def test_a_flat_series_gets_a_readable_log_axis(spread):
     cait = [f"blocks.{i}" for i in range(24)] + ["blocks_token_only.0", "blocks_token_only.1"]
-    fig = gamma_figure(flat(cait), "cait")
+    stats = BranchStats.of(torch.tensor([1e-5, 1e-5 * (1 + spread)]).repeat(96))
+    fig = gamma_figure([BlockGammas(label, label, stats, stats) for label in cait], "cait")
     ax = fig.axes[0]
     drawn(fig)
     low, high = ax.get_ylim()
