@@ -75,7 +75,7 @@ def log_limits(values: Sequence[float]) -> tuple[float, float]:
 
 
 def _block_ticks(ax, labels: list[str]) -> None:
-    """Tick labels that never overlap: block names (CaiT's `blocks_token_only.1`) upright, every one shown up to 40."""
+    """Tick labels that never overlap: block names (CaiT's `blocks_token_only.1`) run vertically, all up to 40."""
     names = any(not label.isdigit() for label in labels)
     step = math.ceil(len(labels) / (40 if names else 20))
     positions = list(range(len(labels)))[::step]
@@ -98,13 +98,22 @@ def gamma_figure(blocks: Sequence[BlockGammas], title: str, before: Sequence[Blo
         xs = [i + style["offset"] for i in at]
         low, mean, high = (_floor([getattr(s, field) for s in stats]) for field in ("min", "mean", "max"))
         ax.vlines(xs, low, high, colors=colour, linewidth=3, alpha=0.35)
-        ax.plot(xs, mean, marker=style["marker"], linestyle=style["linestyle"], ms=4, color=colour)
-        ax.lines[-1].set_label(f"{branch} mean |gamma|")
+        ax.plot(
+            xs, mean, marker=style["marker"], ls=style["linestyle"], ms=4, color=colour, label=f"{branch} mean |gamma|"
+        )
         drawn += low + mean + high
         if before is not None:
             old = _floor([before[i].branch(branch).mean for i in at])
-            ax.plot(xs, old, marker=style["marker"], mfc="none", ms=6, linestyle=BEFORE_LINESTYLE[branch], color=colour)
-            ax.lines[-1].set_label(f"{branch} before")
+            ax.plot(
+                xs,
+                old,
+                marker=style["marker"],
+                mfc="none",
+                ms=6,
+                ls=BEFORE_LINESTYLE[branch],
+                color=colour,
+                label=f"{branch} before",
+            )
             drawn += old
     ax.set_yscale("log")
     ax.set_ylim(*log_limits(drawn))
