@@ -40,7 +40,8 @@ from timm_layerscale import (
     fold_layer_scale,
     rename_layer_scale,
 )
-from timm_layerscale.checkpoints.layouts import LAYER_SCALE_SPELLINGS, META, TIMM_EVA, TRANSFORMERS
+from timm_layerscale.checkpoints.gamma_keys import GAMMA_SPELLINGS
+from timm_layerscale.checkpoints.layouts import META, TIMM_EVA, TRANSFORMERS
 from timm_layerscale.checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
 from timm_layerscale.convert import expected_state, resolve_model
 from timm_layerscale.publish import save_native
@@ -485,7 +486,7 @@ def test_a_foreign_family_is_named_when_loading_too(tmp_path):
         )
 
 
-@pytest.mark.parametrize("to", LAYER_SCALE_SPELLINGS)
+@pytest.mark.parametrize("to", list(GAMMA_SPELLINGS))
 def test_rename_layer_scale_between_spellings(to):
     spelled = {
         "lsN.gamma": ["blocks.0.ls1.gamma", "blocks.0.ls2.gamma"],

@@ -131,7 +131,7 @@ def test_fused_conversion_says_so(runs: dict[str, Run]) -> None:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("unknown_to", "unknown target 'onnx'; pass --to one of native, meta, hf, timm"),
+        ("unknown_to", "unknown target 'onnx'; pass --to one of native, meta, meta-train, hf, timm"),
         ("unknown_dtype", "unknown dtype 'int4'; pass --dtype one of keep, fp32, bf16, fp16"),
         ("unknown_weights", "unknown weights set 'best'; pass --weights one of auto, ema, raw"),
         ("unknown_model", "unknown model 'vit_ls_smal_patch16_dinov3'; did you mean vit_ls_small_patch16_dinov3"),

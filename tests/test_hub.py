@@ -139,3 +139,23 @@ def test_inspect_pretrained_reads_the_hub_file_then_the_cache(hub_root: tuple[Pa
     assert failed.returncode == 2 and failed.stdout == ""
     assert failed.stderr.startswith("timm-ls: error: --pretrained: the Hub is not reachable (http://127.0.0.1:9")
     assert "is not in the local cache; pass the downloaded file instead" in failed.stderr
+
+
+def test_cli_pretrained_asks_the_hub_once(hub_root: tuple[Path, Eva], tmp_path: Path) -> None:
+    """The command learns where the weights came from from the loader's own requests, and adds none."""
+    root, _ = hub_root
+    loader = [sys.executable, "-c", "import sys, timm_layerscale as t; print(t.fetch_hub_weights(sys.argv[1]).origin)"]
+    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", *TINY]
+
+    def weights_requests(args: list[str], home: Path) -> tuple[list[str], subprocess.CompletedProcess]:
+        with LocalHub(root) as hub:
+            result = run(args, hub_env(hub, home))
+        return [r.split()[0] for r in hub.requests if r.split("?")[0].endswith("/model.safetensors")], result
+
+    alone, fetched = weights_requests([*loader, HUB_ID], tmp_path / "alone")
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout == f"Hub {HUB_ID}\n"
+    through_cli, result = weights_requests(cli, tmp_path / "cli")
+    assert result.returncode == 0, result.stderr
+    assert f"weights: Hub {HUB_ID}\n" in result.stdout
+    assert through_cli == alone and alone.count("GET") == 1, (through_cli, alone)

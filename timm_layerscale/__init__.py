@@ -14,7 +14,7 @@ from .checkpoints import (
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .convert import convert_checkpoint
 from .fsdp import shard_model
-from .hub import HubError, hub_weights
+from .hub import HubError, fetch_hub_weights, hub_weights
 from .loading import load_pretrained as _installs_the_pretrained_loader  # noqa: F401
 from .model import VisionTransformerLS
 from .publish import push_to_hub, save_for_hub, save_native
@@ -33,6 +33,7 @@ __all__ = [
     "config_dir",
     "convert_checkpoint",
     "convert_state_dict",
+    "fetch_hub_weights",
     "fold_layer_scale",
     "hub_weights",
     "open_checkpoint",

@@ -14,7 +14,8 @@ import torch
 
 from ..layers import RopeEmbedding
 from .errors import CheckpointError
-from .layer_scale import GAMMA_KEY, LayerScalePlan, plan_layer_scale, suspicious_gammas
+from .gamma_keys import NATIVE_GAMMA_KEY
+from .layer_scale import LayerScalePlan, plan_layer_scale, suspicious_gammas
 from .layouts import effective_qkv_bias
 from .plan import Plan, Step
 from .reader import TensorInfo
@@ -87,14 +88,14 @@ def fit_to_model(
     strict = getattr(config, "strict_layer_scale", False)
     layer_scale = plan_layer_scale(infos, expected, strict=strict, reinit=reinit_layer_scale)
     for key in layer_scale.restarted:
-        block, branch = GAMMA_KEY.match(key).groups()
+        block, branch = NATIVE_GAMMA_KEY.match(key).groups()
         init_value = config.layer_init_values[int(block)][int(branch) - 1]
         steps[key] = _constant(key, torch.full(expected[key].shape, init_value, dtype=fill_dtype))
     for step in layer_scale.fold_steps(set(infos)):
         for key in step.outputs:
             steps[key] = step
         del steps[step.inputs[-1]]
-    file_gammas = {k: native[k] for k in infos if GAMMA_KEY.match(k)}
+    file_gammas = {k: native[k] for k in infos if NATIVE_GAMMA_KEY.match(k)}
     warnings = suspicious_gammas(file_gammas, layer_scale.kept, getattr(config, "layer_init_values", []))
 
     filled = []
@@ -122,7 +123,7 @@ def _fill(
         return _constant(key, torch.zeros(shape, dtype=dtype)), "zero qkv biases"
     if key == "mask_token":
         return _constant(key, torch.zeros(shape, dtype=dtype)), "a zero mask_token"
-    if GAMMA_KEY.match(key):
+    if NATIVE_GAMMA_KEY.match(key):
         return _constant(key, torch.ones(shape, dtype=dtype)), None  # the LayerScale summary reports it
     if key.startswith("local_cls_norm.") and norm_key in steps:
         return Step((key,), (norm_key,), lambda t: (t.clone(),)), "local_cls_norm from norm"

@@ -18,13 +18,13 @@ from pathlib import Path
 import huggingface_hub
 import timm
 import torch
-from huggingface_hub import constants
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
 from ..checkpoints.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
+from ..hub import unreachable_reason
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
 from ..variants import VARIANTS
-from .common import CliError, hub_unreachable, is_variant_file, parse_model_kwargs, quiet_hub
+from .common import CliError, is_variant_file, parse_model_kwargs, quiet_hub
 from .common import resolve_variant as resolve_vit_ls
 from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
 
@@ -112,7 +112,7 @@ def _download(name: str) -> tuple[str, str]:
             not_local = not isinstance(exc, LocalEntryNotFoundError)
             if isinstance(exc, EntryNotFoundError) and not_local:
                 continue  # the Hub answered: this repo has no such file
-            unreachable = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(exc)
+            unreachable = unreachable_reason(exc)
             if unreachable is None and not_local:
                 raise CliError(f"--pretrained: cannot download {hub_id}: {' '.join(str(exc).split())[:300]}") from None
             raise CliError(

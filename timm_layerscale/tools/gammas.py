@@ -11,14 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..checkpoints.gamma_keys import BRANCHES, SPELLING_PATTERNS
+
 MUTED_BELOW = 1e-3
-BRANCHES = ("attn", "mlp")
-# Spellings of a block's LayerScale parameter after `<stack>.<block>.`; the group is the branch (1 attn, 2 mlp).
-GAMMA_SPELLINGS = {
-    "lsN.gamma": re.compile(r"ls([12])\.gamma"),  # ours, Meta DINOv2/DINOv3, timm vision_transformer (DeiT-III)
-    "gamma_N": re.compile(r"gamma_([12])"),  # timm eva and cait, the original DeiT-III and CaiT
-    "layer_scaleN.lambda1": re.compile(r"layer_scale([12])\.lambda1"),  # transformers DINOv2/DINOv3
-}
 BLOCK_KEY = re.compile(r"^(?P<stack>(?:.+\.)?[A-Za-z_]\w*)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
@@ -73,7 +68,7 @@ def find_gamma_keys(keys: list[str]) -> tuple[dict[tuple[str, int], dict[str, st
             continue
         stack, index = match["stack"], int(match["index"])
         blocks.setdefault(stack, set()).add(index)
-        for spelling, pattern in GAMMA_SPELLINGS.items():
+        for spelling, pattern in SPELLING_PATTERNS.items():
             if branch := pattern.fullmatch(match["rest"]):
                 found.setdefault((stack, index), {})[BRANCHES[int(branch[1]) - 1]] = key
                 if spelling not in spellings:
