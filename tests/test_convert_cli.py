@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -117,7 +118,7 @@ def test_a_conversion_prints_one_summary_line(runs: dict[str, Run], files: Path)
     assert run.returncode == 0, run.stderr
     summary = run.stdout.splitlines()[-1]
     source = files / "small.safetensors"
-    assert summary.startswith(f"converted {source} (safetensors file, meta layout, weights: the only weights set)")
+    assert summary.startswith(f"converted {source} (safetensors file, Meta DINOv3 keys, weights: the only weights set)")
     assert f"to native {files / 'out-native'}: vit_ls_small_patch16_dinov3 (given, with " in summary
     assert " tensors, " in summary and " KB, " in summary and summary.endswith(" s")
     assert sorted(p.name for p in (files / "out-native").iterdir()) == ["config.json", "model.safetensors"]
@@ -256,3 +257,24 @@ def test_a_new_file_beside_the_source_is_fine(sources: Path, capsys) -> None:
     (sources / "stale" / "gone.safetensors").symlink_to(sources / "absent.safetensors")  # a dangling link
     assert main(["convert", str(sources / "native"), str(sources / "stale"), "--to", "hf", "--overwrite"]) == 0
     capsys.readouterr()
+
+
+def test_a_native_folder_to_meta_summary_counts_its_model_arguments_and_json_lists_them(
+    runs: dict[str, Run], files: Path, capsys
+) -> None:
+    native = files / "out-native"  # with its config.json: every model argument, named there
+    assert main(["convert", str(native), str(files / "short.pth"), "--to", "meta"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert "vit_ls_small_patch16_dinov3 (named in config.json, with 36 model arguments)" in summary
+    assert len(summary) - len(str(native)) - len(str(files / "short.pth")) <= 200, summary
+    assert main(["convert", str(native), str(files / "short.safetensors"), "--to", "meta", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["keys"] == "Meta DINOv3 keys" and result["layout"] == "meta" and result["target"] == "meta"
+    assert result["model_args"]["embed_dim"] == TINY["embed_dim"] and len(result["model_args"]) == 36
+    assert result["summary"].startswith(f"converted {native} (Hub folder, Meta DINOv3 keys, weights: ")
+    assert result["destination"] == str(files / "short.safetensors") and (files / "short.safetensors").is_file()
+
+
+def test_a_few_model_arguments_are_listed_in_the_summary(runs: dict[str, Run]) -> None:
+    summary = runs["ok"].stdout.splitlines()[-1]
+    assert "(given, with embed_dim=64 num_heads=4 depth=2)" in summary

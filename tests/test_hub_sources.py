@@ -19,7 +19,7 @@ import pytest
 import timm
 import torch
 import yaml
-from conftest import TINY, max_diff, move_off_init_
+from conftest import TINY, assert_fp32_close, move_off_init_
 from hub_server import LocalHub, hub_env
 from huggingface_hub import constants
 from packaging.version import Version
@@ -115,7 +115,7 @@ def small(pretrained: bool = True, **kwargs) -> torch.nn.Module:
 @torch.no_grad()
 def assert_matches(model: torch.nn.Module, reference: DINOv3ViTModel, images: torch.Tensor) -> None:
     expected = reference(pixel_values=images).last_hidden_state
-    assert max_diff(model.forward_features(images), expected) < 1e-4
+    assert_fp32_close(model.forward_features(images), expected)
 
 
 # ------------------------------------------------------------------------------------------------ tags
@@ -154,10 +154,12 @@ def test_list_and_readme_show_the_official_tags(capsys: pytest.CaptureFixture[st
     from timm_layerscale.cli import main
 
     assert main(["list"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("vit_ls_large_patch16_dinov3 "))
-    assert "lvd1689m_facebook (facebook/dinov3-vitl16-pretrain-lvd1689m)" in row
-    assert "sat493m_facebook (facebook/dinov3-vitl16-pretrain-sat493m)" in row
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("vit_ls_large_patch16_dinov3 "))
+    assert row.endswith("  lvd1689m, sat493m, lvd1689m_facebook, sat493m_facebook")
+    assert main(["list", "--json"]) == 0
+    tags = next(v["tags"] for v in json.loads(capsys.readouterr().out) if v["name"] == "vit_ls_large_patch16_dinov3")
+    assert tags["lvd1689m_facebook"] == "facebook/dinov3-vitl16-pretrain-lvd1689m"
+    assert tags["sat493m_facebook"] == "facebook/dinov3-vitl16-pretrain-sat493m"
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "`lvd1689m`, `sat493m`, `lvd1689m_facebook`, `sat493m_facebook`" in readme
 
@@ -405,7 +407,7 @@ def test_a_folded_model_rebuilds_without_layer_scale(hub: LocalHub, images) -> N
     again = published(model, "someone/small-folded")
     assert not any("gamma" in k for k in again.state_dict())
     assert all(v is None for pair in again.config.layer_init_values for v in pair)
-    assert max_diff(again(images), expected) < 1e-5
+    assert_fp32_close(again(images), expected)
     card = (hub.root / "someone/small-folded/README.md").read_text()
     assert "- on 0 of 4 branches; off" in card
     assert "- no gammas (LayerScale off or folded into the projections)" in card

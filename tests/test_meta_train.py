@@ -18,7 +18,7 @@ import timm
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from conftest import EVA, FIXTURES, VARIANT, max_diff, move_off_init_
+from conftest import EVA, FIXTURES, VARIANT, assert_fp32_close, max_diff, move_off_init_
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -195,7 +195,7 @@ def test_meta_train_to_native_gives_the_source_backbones_outputs(suffix, tmp_pat
     direct.load_state_dict(load_file(FIXTURES / "meta_swiglu.safetensors"))
     outputs = load_file(FIXTURES / "meta_swiglu_outputs.safetensors")
     assert max_diff(again.forward_features(outputs["input"]), direct.forward_features(outputs["input"])) == 0
-    assert max_diff(again(outputs["input"]), outputs["forward"]) <= 1e-5  # Meta's own output
+    assert_fp32_close(again(outputs["input"]), outputs["forward"])  # Meta's own output
 
 
 # ------------------------------------------------------------------------------------------ new heads
@@ -512,7 +512,7 @@ def test_every_source_becomes_a_checkpoint_metas_modules_load(tmp_path, images):
         native = tmp_path / f"{kind.replace(' ', '-')}-native"
         convert_checkpoint(dst, native, to="native", model=VARIANT["mlp"], model_kwargs=SHAPE)
         again = timm.create_model(f"local-dir:{native}", pretrained=True).eval()
-        assert max_diff(again.forward_features(images), expected) <= 1e-5, kind
+        assert_fp32_close(again.forward_features(images), expected, what=kind)
 
 
 def test_the_dtype_is_fp32_by_default_and_keep_keeps_the_sources(tmp_path):

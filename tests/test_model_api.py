@@ -4,7 +4,7 @@ import pytest
 import timm
 import timm.data
 import torch
-from conftest import TINY, VARIANT, max_diff, move_off_init_
+from conftest import TINY, VARIANT, assert_fp32_close, max_diff, move_off_init_
 from packaging.version import Version
 from PIL import Image
 from safetensors.torch import save_file
@@ -218,7 +218,9 @@ def test_grad_checkpointing_gives_same_outputs_and_grads(images):
     out = model(images)
     out.sum().backward()
     assert max_diff(out, reference) == 0
-    assert all(torch.allclose(p.grad, grads[n], atol=1e-6) for n, p in model.named_parameters() if n in grads)
+    for name, param in model.named_parameters():
+        if name in grads:
+            assert_fp32_close(param.grad, grads[name], what=name)
 
 
 @pytest.mark.parametrize("grad_checkpointing, runs_per_block", [(False, 1), (True, 2)])
@@ -274,7 +276,7 @@ def test_sample_drop_adds_each_branch_to_a_subset_scaled_by_batch_over_kept(batc
     expected[index] += batch / kept * block.ls1(block.attn(block.norm1(x[index])))
     index = torch.randperm(batch)[:kept]
     expected[index] += batch / kept * block.ls2(block.mlp(block.norm2(expected[index])))
-    assert torch.allclose(out, expected, atol=1e-6)
+    assert_fp32_close(out, expected)
 
 
 def test_sample_drop_trains_under_autocast():
@@ -325,9 +327,9 @@ def test_rope_matches_timms_dinov3_rope(normalize_coords, augment):
         torch.manual_seed(0)
         expected_sin, expected_cos = timms.get_embed(shape=[3, 5]).chunk(2, dim=-1)
         assert not signed_sin[:5].any() and (cos[:5] == 1).all()  # the prefix tokens are not rotated
-        assert max_diff(signed_sin[5:, 8:], expected_sin[:, 8:]) <= 1e-6
-        assert max_diff(signed_sin[5:, :8], -expected_sin[:, :8]) <= 1e-6
-        assert max_diff(cos[5:], expected_cos) <= 1e-6
+        assert_fp32_close(signed_sin[5:, 8:], expected_sin[:, 8:])
+        assert_fp32_close(signed_sin[5:, :8], -expected_sin[:, :8])
+        assert_fp32_close(cos[5:], expected_cos)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -392,9 +394,9 @@ def assert_same_outputs(ours, eva, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     tokens, expected = ours.forward_features(x), eva.forward_features(x)
     assert tokens.shape == expected.shape
-    assert max_diff(tokens, expected) <= 1e-5 * expected.abs().max()
+    assert_fp32_close(tokens, expected)
     pooled = ours.forward_head(tokens, pre_logits=True)
-    assert max_diff(pooled, eva.forward_head(expected, pre_logits=True)) <= 1e-5 * pooled.abs().max()
+    assert_fp32_close(pooled, eva.forward_head(expected, pre_logits=True))
 
 
 @pytest.mark.parametrize("ffn", ["mlp", "swiglu"])

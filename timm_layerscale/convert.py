@@ -28,7 +28,7 @@ from .checkpoints.dcp_writer import write_dcp
 from .checkpoints.errors import CheckpointError
 from .checkpoints.fit import Fitted, fit_to_model
 from .checkpoints.gamma_keys import NATIVE_GAMMA_KEY
-from .checkpoints.layouts import META, detect_layout, effective_qkv_bias
+from .checkpoints.layouts import META, detect_layout, effective_qkv_bias, layout_title
 from .checkpoints.plan import Plan, cast_plan, info_of, passthrough
 from .checkpoints.reader import ONLY_SET, LazyCheckpoint, TensorInfo, open_checkpoint
 from .checkpoints.targets import (
@@ -68,6 +68,9 @@ TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 _FILLABLE = ("attn.qkv.bias_mask", PERIODS, "mask_token")
 
 
+MAX_LISTED = 80  # characters of model arguments the summary line lists; `model_args` has them all
+
+
 @dataclass
 class ResolvedModel:
     """The model a checkpoint holds: its variant, full config, and why that variant."""
@@ -97,6 +100,8 @@ class Conversion:
     not_held: list[str]
     report: list[str]
     warnings: list[str]
+    keys: str = ""  # the source's keys as users name them: "Meta DINOv3 keys"
+    model_args: dict[str, Any] = field(default_factory=dict)  # the full config of the model written
     notes: list[str] = field(default_factory=list)  # the target's own, e.g. meta-train's heads and dtype
     meta_yaml: str | None = None  # meta-train: the lines of Meta's training YAML that use the checkpoint
 
@@ -104,7 +109,8 @@ class Conversion:
         held = f"; not held by {self.target}: {', '.join(self.not_held)}" if self.not_held else ""
         notes = "".join(f"; {note}" for note in self.notes)
         return (
-            f"converted {self.source} ({self.kind}, {self.layout} layout, weights: {self.weights}) to {self.target} "
+            f"converted {self.source} ({self.kind}, {self.keys or self.layout}, weights: {self.weights}) to "
+            f"{self.target} "
             f"{self.destination}: {self.variant} ({self.reason}), {self.tensors} tensors, "
             f"{_size(self.nbytes)}, {self.seconds:.1f} s{notes}{held}"
         )
@@ -160,7 +166,8 @@ def convert_checkpoint(
         native = layout.to_native(ckpt)
         resolved = resolve_model(native, model, dict(model_kwargs or {}), ckpt.hub_config, fuse_layerscale)
         heads = _Heads(ckpt, heads_config, seed, distill_teacher) if target.name == "meta-train" else None
-        fitted, export = _planned(native, layout.name, resolved, target.name, DTYPES[dtype], dst, max_shard_size, heads)
+        keys_title = layout_title(layout, ckpt)
+        fitted, export = _planned(native, keys_title, resolved, target.name, DTYPES[dtype], dst, max_shard_size, heads)
         warnings = fitted.warnings + export.warnings
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
@@ -180,6 +187,8 @@ def convert_checkpoint(
             not_held=export.not_held,
             report=fitted.report(),
             warnings=warnings,
+            keys=keys_title,
+            model_args=resolved.config.to_dict(),
             notes=export.notes,
             meta_yaml=export.meta_yaml,
         )
@@ -631,8 +640,9 @@ def resolve_model(
             f"pass --model NAME and --model-kwargs for what differs (e.g. embed_dim=... depth=... num_heads=...)"
         )
     pretrained = hub_pretrained or _pretrained_cfg(name, tag)
-    if overrides:
-        reason += ", with " + " ".join(f"{k}={v}" for k, v in overrides.items())
+    listed = " ".join(f"{k}={v}" for k, v in overrides.items())
+    if overrides:  # a config.json's every argument would make the summary line a paragraph: counted instead
+        reason += f", with {listed}" if len(listed) <= MAX_LISTED else f", with {len(overrides)} model arguments"
     return ResolvedModel(name, tag, config, reason, pretrained)
 
 

@@ -35,7 +35,7 @@ OPTION_KEYS = (("cls_norm.", "cls_norm={}"), ("mlp.w1.", "ffn_layer='swiglu'"), 
 
 @dataclass
 class Fitted:
-    layout: str
+    layout: str  # as users name the keys: "Meta DINOv3 keys", "timm eva keys"
     plan: Plan  # the model's keys, in its order
     filled: list[str]
     dropped: list[str]
@@ -175,18 +175,18 @@ def _check_complete(plan: Plan, expected: Mapping[str, Tensor], layout: str, nam
     for key, target in expected.items():
         if key not in plan:
             raise CheckpointError(
-                f"the {layout} checkpoint lacks {key} {list(target.shape)} that {name} needs; build "
+                f"the checkpoint ({layout}) lacks {key} {list(target.shape)} that {name} needs; build "
                 f"{_option_hint(key, False)}"
             )
         if plan.info(key).shape != target.shape:
             raise CheckpointError(
-                f"the {layout} checkpoint does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
+                f"the checkpoint ({layout}) does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
                 f"checkpoint but {list(target.shape)} in the model; build the variant the checkpoint was made for"
             )
     extra = [k for k in plan if k not in expected]
     if extra:
         shape = list(plan.info(extra[0]).shape)
         raise CheckpointError(
-            f"the {layout} checkpoint has {extra[0]} {shape} that {name} does not hold"
+            f"the checkpoint ({layout}) has {extra[0]} {shape} that {name} does not hold"
             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; build {_option_hint(extra[0], True)}"
         )

@@ -94,6 +94,7 @@ class Layout:
     rules: tuple[Rule, ...]
     # Spellings of the same keys that loading accepts (source prefix -> table prefix).
     aliases: tuple[tuple[str, str], ...] = field(default=())
+    title: str = ""  # the keys as users name them, for messages: "Meta DINOv3 keys"
 
     def to_native(self, source: Mapping[str, Tensor]) -> Plan:
         """Native keys from this layout; keys the table does not know pass through (for the checks to name)."""
@@ -195,8 +196,10 @@ def _native_gamma(branch: int) -> str:
     return "blocks.{i}." + gamma_name(NATIVE_SPELLING, branch)
 
 
-NATIVE = Layout("native", tuple(row(key, key) for key in NATIVE_KEYS))
-META = Layout("meta", tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")))
+NATIVE = Layout("native", tuple(row(key, key) for key in NATIVE_KEYS), title="timm-layerscale keys")
+META = Layout(
+    "meta", tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")), title="Meta DINOv3 keys"
+)
 
 TRANSFORMERS = Layout(
     "transformers",
@@ -231,6 +234,7 @@ TRANSFORMERS = Layout(
         row("norm.{p}", "norm.{p}"),
     ),
     aliases=(("model.layer.", "layer."),),  # transformers 5 names the blocks so in memory
+    title="transformers DINOv3ViTModel keys",
 )
 
 TIMM_EVA = Layout(
@@ -260,7 +264,16 @@ TIMM_EVA = Layout(
         row("norm.{p}", "norm.{p}"),
         row("head.{p}", "head.{p}"),
     ),
+    title="timm eva keys",
 )
+
+
+def layout_title(layout: Layout, keys: Iterable[str]) -> str:
+    """The keys as users name them. Ours are Meta's; a classifier head marks a timm-layerscale model's own."""
+    if layout is META and any(key.startswith("head.") for key in keys):
+        return NATIVE.title
+    return layout.title
+
 
 # ----------------------------------------------------------------------------------------------- detect
 

@@ -27,6 +27,11 @@ class CliError(Exception):
     """Bad input: printed as one `timm-ls: error:` line."""
 
 
+def count(number: int, noun: str) -> str:
+    """`1 seed`, `3 seeds`."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def warn(message: str) -> None:
     """A fallback or a doubt about the input: one line on stderr, so stdout stays the result."""
     print(f"timm-ls: warning: {' '.join(message.split())}", file=sys.stderr)

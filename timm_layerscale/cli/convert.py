@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
 
 from ..checkpoints.reader import open_checkpoint
 from ..checkpoints.targets import TARGETS
@@ -73,6 +75,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="the checkpoint is for distillation.checkpoint_path: a source without heads warns (--strict refuses)",
     )
+    parser.add_argument(
+        "--json", action="store_true", help="print what was done as JSON, every model argument included"
+    )
     parser.set_defaults(func=convert)
 
 
@@ -99,6 +104,9 @@ def convert(args: argparse.Namespace) -> int:
         )
     for warning in result.warnings:
         print(f"timm-ls: warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(dict(asdict(result), destination=str(result.destination), summary=result.summary()), indent=1))
+        return 0
     for line in result.report:
         print(f"  {line}")
     print(result.summary())

@@ -25,11 +25,11 @@ from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
 from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
-from ..tools.gammas import BRANCHES, BranchStats, find_gamma_keys, fmt, gamma_stats
+from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, fmt, gamma_stats
 from ..tools.shapes import Shapes, make_shapes
 from ..tools.trainer import TrainResult, evaluate, train
 from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
-from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
+from .gamma_report import DEFAULT_PLOT, add_plot_arguments, draw, plot_target, stats_table
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 WHAT_IS_A_GAMMA = (
@@ -67,7 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     parser.add_argument("--image", action="append", default=[], metavar="PATH", help="with weights: run these images")
-    add_plot_arguments(parser, "layerscale_gammas.png")
+    add_plot_arguments(parser, DEFAULT_PLOT)
     parser.set_defaults(func=demo)
 
 
@@ -94,6 +94,8 @@ def _experiment(args: argparse.Namespace) -> Experiment:
         experiment = check(experiment.replace(train=dataclasses.replace(experiment.train, steps=args.steps)), "--steps")
     if args.threads < 1:
         raise CliError(f"--threads: got {args.threads}; allowed: a positive integer")
+    if note := experiment.train.short_warmup_note():
+        warn(note)
     return experiment
 
 
@@ -253,7 +255,7 @@ def _text_report(run: _Run, changes: list, plot_line: str) -> str:
         "",
         "LayerScale gammas, mean |gamma| over each branch's channels; moved: mean |after - before|",
         table(["block", "attn before", "after", "moved", "mlp before", "after", "moved"], rows),
-        f"loudest branch now: block {loudest[0]} {loudest[1]} (mean |gamma| {loudest[2]:.3g})",
+        f"loudest branch now: {block_name(loudest[0])} {loudest[1]} (mean |gamma| {loudest[2]:.3g})",
         *([plot_line] if plot_line else []),
         "",
         "next: `timm-ls --pretrained` shows the gammas DINOv3 learned in pretraining, `timm-ls inspect FILE` "

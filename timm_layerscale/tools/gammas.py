@@ -30,10 +30,10 @@ class BranchStats:
 
     @classmethod
     def of(cls, gamma: torch.Tensor) -> BranchStats:
-        g = gamma.detach().float().abs().flatten()
+        g = gamma.detach().double().abs().flatten()  # float64: a float32 mean of equal values can fall below them
         median = g.sort().values[(len(g) - 1) // 2 : len(g) // 2 + 1].mean()  # the middle one or two
         values = (g.mean(), median, g.min(), g.max(), (g < MUTED_BELOW).double().mean())
-        mean, median, low, high, muted = (float(f"{v.item():.7g}") for v in values)  # float32's own digits
+        mean, median, low, high, muted = (float(f"{v.item():.7g}") for v in values)  # float32's digits
         return cls(mean=mean, median=median, min=low, max=high, muted=muted, channels=len(g))
 
 
@@ -88,6 +88,11 @@ def gamma_stats(tensors: Mapping[str, torch.Tensor]) -> list[BlockGammas]:
         label = f"{stack.rsplit('.', 1)[-1]}.{index}" if several_stacks else str(index)
         result.append(BlockGammas(label, f"{stack}.{index}", stats.get("attn"), stats.get("mlp")))
     return result
+
+
+def block_name(label: str) -> str:
+    """`block 3` for a plain index, the label alone where it names its stack (CaiT's `blocks_token_only.0`)."""
+    return f"block {label}" if label.isdigit() else label
 
 
 def fmt(value: float | None) -> str:
