@@ -24,7 +24,9 @@ def register() -> None:
     """Imports timm_layerscale, which registers the variants; a failure warns and leaves timm working."""
     try:
         import timm_layerscale  # noqa: F401
-    except Exception as exc:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a broken install's SystemExit must not end the user's `import timm` either
         message = (
             f"timm-layerscale could not register the vit_ls_* models with timm ({type(exc).__name__}: {exc}); "
             f"timm works without them. `import timm_layerscale` shows the whole error; "

@@ -95,9 +95,17 @@ def apply_machine_args(args: argparse.Namespace) -> None:
 
 
 def round_robin(
-    calls: dict[str, Callable[[], object]], rounds: int, device: torch.device, warmup: int = 2
+    calls: dict[str, Callable[[], object]],
+    rounds: int,
+    device: torch.device,
+    warmup: int = 2,
+    timer: Callable[[Callable[[], object]], float] | None = None,
+    go_on: Callable[[int, dict[str, list[float]]], bool] | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds per call for each name, one call of each per round; each round starts one name later."""
+    """Seconds per call for each name, one call of each per round; each round starts one name later.
+
+    `timer` times one call (default: `clock` around it, then a synchronize); `go_on(round, times)` may
+    end the rounds early."""
     for call in calls.values():
         for _ in range(warmup):
             call()
@@ -105,7 +113,12 @@ def round_robin(
     names = list(calls)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
+        if go_on is not None and not go_on(r, times):
+            break
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if timer is not None:
+                times[name].append(timer(calls[name]))
+                continue
             start = clock()
             calls[name]()
             synchronize(device)

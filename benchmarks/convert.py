@@ -5,7 +5,10 @@ release) tensor by tensor, then, in separate processes, alternating:
 
 - copy:   a plain Python read-and-write copy of the same file (64 MiB chunks) with fsync,
 - hf:     `convert_checkpoint(SRC, DST, to="hf")` (sharded at 5 GB; the variant inferred from the shapes),
-- native: `convert_checkpoint(SRC, DST, to="native")`.
+- native: `convert_checkpoint(SRC, DST, to="native")`,
+- meta-train: `convert_checkpoint(SRC, DST, to="meta-train")` into a torch.distributed.checkpoint folder: the
+  backbone in fp32 (Meta's masters, twice the source's bytes) and new heads of the released models' sizes
+  (dino 262,144 x 512 x 8,192, ibot 98,304 x 384 x 4,096: 1.25 GB in fp32), each tensor made as it is written.
 
 Before each run the source's pages are dropped from the page cache (posix_fadvise DONTNEED), so every run
 starts from the same cache state. Peak private memory is the child's `RssAnon` (mapped file pages do not
@@ -13,9 +16,10 @@ count), sampled from /proc/<pid>/status every 50 ms; time is measured inside the
 Then the cost of `.pth` output is measured on a 10-block checkpoint of the same shapes: Meta's layout
 written as `.safetensors` and as `.pth`.
 
-    python benchmarks/convert.py --workdir /path/with/30GB/free [--rounds 2]
+    python benchmarks/convert.py --workdir /path/with/45GB/free [--rounds 2] [--jobs copy,hf,native,meta-train]
 
-It needs about 2 x 13.4 GB of free disk and deletes its files at the end.
+It needs about 13.4 GB of free disk for the source plus the largest output (28 GB for meta-train) and deletes
+its files at the end.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ def child_convert(src: str, dst: str, to: str, depth: str) -> None:
 
     # The real depth is inferred from the shapes; fewer blocks need the variant named.
     model = None if depth == "40" else "vit_ls_7b_patch16_dinov3"
+    if to == "meta-train":
+        dst = str(Path(dst).with_suffix(""))  # no suffix: a distributed checkpoint folder
     start = time.perf_counter()
     result = convert_checkpoint(src, dst, to=to, model=model, model_kwargs={"depth": int(depth)} if model else None)
     print(result.summary(), file=sys.stderr)
@@ -161,19 +167,23 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--depth", type=int, default=40, help="blocks of the 7B shape (40: the real one)")
+    parser.add_argument("--jobs", default="copy,hf,native,meta-train", help="comma-separated; copy always runs")
+    parser.add_argument("--no-pth-cost", action="store_true", help="skip the .pth output cost step")
     args = parser.parse_args()
     workdir = args.workdir / "convert-benchmark"
     workdir.mkdir(parents=True, exist_ok=True)
     src = workdir / "dinov3_vit7b16_synthetic.pth"
     try:
-        need_disk(workdir, 2 * 13.5 * GB * args.depth / 40 + GB)
+        jobs = ["copy", *(j for j in args.jobs.split(",") if j and j != "copy")]
+        largest_output = 28.5 if "meta-train" in jobs else 13.5
+        need_disk(workdir, (13.5 + largest_output) * GB * args.depth / 40 + GB)
         seconds, _ = run_child(["make", str(src), str(args.depth)])
         nbytes = size_of(src)
         print(f"source: {src.name}, {nbytes / GB:.2f} GB, written in {seconds:.0f} s", flush=True)
-        results: dict[str, list[tuple[float, float]]] = {"copy": [], "hf": [], "native": []}
-        jobs = list(results)
+        results: dict[str, list[tuple[float, float]]] = {job: [] for job in jobs}
         for round_ in range(args.rounds):
-            for job in jobs[round_ % 3 :] + jobs[: round_ % 3]:
+            turn = round_ % len(jobs)
+            for job in jobs[turn:] + jobs[:turn]:
                 dst = workdir / f"out-{job}"
                 evict(src)
                 child = ["copy", str(src), str(dst)]
@@ -188,7 +198,7 @@ def main() -> None:
                 )
                 remove(dst)
         copy_time = statistics.median(s for s, _ in results["copy"])
-        for job in ("hf", "native"):
+        for job in jobs[1:]:
             ratios = [c / s for (s, _), (c, _) in zip(results[job], results["copy"])]
             print(
                 f"{job}: median {statistics.median(s for s, _ in results[job]):.1f} s, throughput "
@@ -196,6 +206,8 @@ def main() -> None:
                 f"peak RssAnon {max(p for _, p in results[job]):.0f} MiB"
             )
         remove(src)
+        if args.no_pth_cost:
+            return
 
         # The cost of .pth output, on 10 blocks of the same shapes.
         quarter = workdir / "dinov3_vit7b16_10blocks.safetensors"

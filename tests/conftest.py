@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import copy
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
 TINY = dict(embed_dim=64, num_heads=4, depth=2)
 VARIANT = {"mlp": "vit_ls_small_patch16_dinov3", "swiglu": "vit_ls_small_plus_patch16_dinov3"}
 EVA = {"mlp": "vit_small_patch16_dinov3_qkvb", "swiglu": "vit_small_plus_patch16_dinov3_qkvb"}
+# fp32 results differ in their last bits between GEMM kernels (CPU vendor, ISA level, thread count), so outputs
+# are compared relative to their scale. Across the kernels tried (AMD and Intel, ATEN_CPU_CAPABILITY=default,
+# 1 and 2 threads) the tiny models stay within 1.5e-6 of the largest value; a swapped gamma or a dropped bias
+# moves them by 7e-2 or more (`assert_catches_swapped_gammas_and_dropped_biases`).
+FP32_RTOL = 1e-5
 
 
 @torch.no_grad()
@@ -72,3 +79,75 @@ def ls_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+def mapped_ranges(path) -> list[range]:
+    """Address ranges at which this process maps `path`."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *_, name = line.split(maxsplit=5)
+        if name.strip() == str(path):
+            start, end = (int(a, 16) for a in span.split("-"))
+            ranges.append(range(start, end))
+    return ranges
+
+
+class Exploit:
+    """Unpickling this creates the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def relative_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max|actual - expected| over max|expected|: the error relative to the tensor's scale (over 1 if all 0)."""
+    expected = expected.double()
+    scale = expected.abs().max().item()
+    return (actual.double() - expected).abs().max().item() / (scale or 1.0)
+
+
+def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = FP32_RTOL, what: str = "") -> None:
+    """fp32 parity that holds on any CPU: max|actual - expected| <= rtol * max|expected|."""
+    where = f"{what}: " if what else ""
+    assert actual.shape == expected.shape, f"{where}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    diff = relative_diff(actual, expected)
+    scale = expected.abs().max().item()
+    assert diff <= rtol, (
+        f"{where}max|actual - expected| is {diff:.3g} of max|expected| = {scale:.3g} (allowed {rtol:g})"
+    )
+
+
+def swapped_gammas_and_dropped_biases(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Copies of one of our models with one bug each: a block's ls1/ls2 gammas swapped, or one block bias zeroed."""
+    for i, block in enumerate(model.blocks):
+        if hasattr(block.ls1, "gamma") and hasattr(block.ls2, "gamma"):
+            broken = copy.deepcopy(model)
+            ls1, ls2 = broken.blocks[i].ls1.gamma, broken.blocks[i].ls2.gamma
+            with torch.no_grad():
+                ls1_values = ls1.clone()
+                ls1.copy_(ls2)
+                ls2.copy_(ls1_values)
+            yield f"blocks.{i} gammas swapped", broken
+    for name, _ in model.named_parameters():
+        if name.startswith("blocks.") and name.endswith("bias"):
+            broken = copy.deepcopy(model)
+            with torch.no_grad():
+                broken.get_parameter(name).zero_()
+            yield f"{name} dropped", broken
+
+
+def assert_catches_swapped_gammas_and_dropped_biases(
+    model: nn.Module, outputs: Callable[[nn.Module], torch.Tensor], expected: torch.Tensor
+) -> None:
+    """The parity check `assert_fp32_close(outputs(model), expected)` passes, and fails on each of the bugs."""
+    with torch.no_grad():
+        assert_fp32_close(outputs(model), expected)
+        bugs = list(swapped_gammas_and_dropped_biases(model))
+        assert any("swapped" in bug for bug, _ in bugs) and any("bias" in bug for bug, _ in bugs)
+        for bug, broken in bugs:
+            with pytest.raises(AssertionError, match="allowed"):
+                assert_fp32_close(outputs(broken), expected)
+            assert relative_diff(outputs(broken), expected) > 100 * FP32_RTOL, bug  # and not by a hair

@@ -22,6 +22,7 @@ import timm
 import torch
 from conftest import TINY
 from hub_server import LocalHub, hub_env
+from packaging.requirements import Requirement
 from timm.models import save_for_hf
 
 import _timm_layerscale_autoregister as autoregister
@@ -99,6 +100,7 @@ if __name__ == "__main__":
 """
 
 BROKEN_PACKAGE = "raise ImportError('this copy of timm_layerscale is broken')\n"
+EXITING_PACKAGE = "raise SystemExit('this copy of timm_layerscale exits')\n"
 
 
 @dataclass
@@ -119,14 +121,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
     (root / "workers_probe.py").write_text(WORKERS)
     (root / "broken" / "timm_layerscale").mkdir(parents=True)
     (root / "broken" / "timm_layerscale" / "__init__.py").write_text(BROKEN_PACKAGE)
+    (root / "exiting" / "timm_layerscale").mkdir(parents=True)
+    (root / "exiting" / "timm_layerscale" / "__init__.py").write_text(EXITING_PACKAGE)
 
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", autoregister.SWITCH)}
     base.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    hook_folder = str(Path(autoregister.__file__).parent)
     use = [sys.executable, str(root / "use.py"), str(root / "saved"), str(root / "expected.pth")]
     cases = {
         "on": ([*use, "on"], {}),
         "off": ([*use, "off"], {autoregister.SWITCH: "0"}),
-        "broken": ([*use, "broken"], {"PYTHONPATH": str(root / "broken")}),
+        # The broken package first, then the start-up hook this process imported (the installed one in CI).
+        "broken": ([*use, "broken"], {"PYTHONPATH": os.pathsep.join([str(root / "broken"), hook_folder])}),
+        "exiting": ([*use, "exiting"], {"PYTHONPATH": os.pathsep.join([str(root / "exiting"), hook_folder])}),
         "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--standalone", "-m", "workers_probe"], {}),
     }
     with LocalHub(root / "hub") as hub:  # "on" also builds hf-hub:someone/their-vit-ls from it
@@ -177,13 +184,20 @@ def test_switched_off_both_fail_as_timm_does(runs: dict[str, Run]) -> None:
     ]
 
 
-def test_a_failed_registration_warns_and_leaves_timm_working(runs: dict[str, Run]) -> None:
-    run = runs["broken"]
+@pytest.mark.parametrize(
+    "case, error",
+    [
+        ("broken", "ImportError: this copy of timm_layerscale is broken"),
+        ("exiting", "SystemExit: this copy of timm_layerscale exits"),
+    ],
+)
+def test_a_failed_registration_warns_and_leaves_timm_working(runs: dict[str, Run], case: str, error: str) -> None:
+    run = runs[case]
     assert run.returncode == 0, run.stderr
     after = "after False SourceFileLoader []"
     assert run.stdout.splitlines()[1:] == ["find_spec True", REGISTERING, f"error {UNKNOWN}", f"error {UNKNOWN}", after]
     assert "RuntimeWarning: timm-layerscale could not register the vit_ls_* models with timm " in run.stderr
-    assert "(ImportError: this copy of timm_layerscale is broken); timm works without them" in run.stderr
+    assert f"({error}); timm works without them" in run.stderr
     assert run.stderr.count("could not register") == 1
 
 
@@ -195,7 +209,10 @@ def test_torchrun_python_m_and_every_dataloader_start_method(runs: dict[str, Run
 
 
 def test_installed_start_up_files_are_recorded_and_run_after_editable_finders() -> None:
-    distribution = importlib.metadata.distribution("timm-layerscale")
+    # The installed copy, not whatever metadata sys.path shows first: `python -m pytest` puts the working
+    # directory first, where a source tree's `*.egg-info` has no start-up files.
+    installed = importlib.metadata.distributions(name="timm-layerscale", path=site.getsitepackages())
+    distribution = next(iter(installed))
     files = {f.name: f for f in distribution.files if f.name.startswith("timm_layerscale-autoregister.")}
     assert sorted(files) == ["timm_layerscale-autoregister.pth", "timm_layerscale-autoregister.start"]
     for record in files.values():  # listed in RECORD, so that uninstalling removes them
@@ -215,3 +232,11 @@ def test_the_switch_reads_common_spellings_of_off(monkeypatch: pytest.MonkeyPatc
         assert autoregister.enabled() is expected
     monkeypatch.delenv(autoregister.SWITCH)
     assert autoregister.enabled()
+
+
+def test_the_build_asks_for_a_setuptools_that_reads_the_license_string() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert isinstance(project["project"]["license"], str)  # an SPDX string: setuptools 77 or later (PEP 639)
+    (setuptools,) = (r for r in map(Requirement, project["build-system"]["requires"]) if r.name == "setuptools")
+    assert "76.3" not in setuptools.specifier and "77.0" in setuptools.specifier

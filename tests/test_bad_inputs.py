@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import timm
 import torch
+from conftest import Exploit
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -29,16 +30,6 @@ from timm_layerscale.cli import main
 NAME = "vit_ls_small_patch16_dinov3"
 ASSETS = Path(__file__).resolve().parent.parent / "timm_layerscale" / "assets"
 README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-class Exploit:
-    """Unpickling this creates the file `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
 
 
 def weights() -> dict[str, torch.Tensor]:

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 import timm_layerscale
 from timm_layerscale.cli import main
 from timm_layerscale.cli.common import CliError
+from timm_layerscale.cli.listing import _shipped as listing_shipped
 
 CLI = [sys.executable, "-m", "timm_layerscale.cli"]
 TINY = ["--model-kwargs", "depth=2"]
@@ -110,6 +111,8 @@ def runs(files: Path) -> dict[str, Run]:
         "demo_yaml_variant": [*demo, "--variant", str(files / "my_vit.yaml"), "--no-plot"],
         "version": ["--version"],
         "list": ["list"],
+        "list_json": ["list", "--json"],
+        "short_warmup": [*demo, "--steps", "1", "--no-plot"],
         "checkpoint": ["--checkpoint", str(files / "small.safetensors"), *TINY],
         "missing": ["--checkpoint", str(files / "absent.safetensors"), *TINY],
         "truncated": ["--checkpoint", str(files / "truncated.safetensors"), *TINY],
@@ -200,6 +203,17 @@ def test_default_command_json_has_the_run_and_repeats_exactly(runs: dict[str, Ru
     assert [[row.split()[2], row.split()[5]] for row in table] == after
 
 
+def test_steps_inside_the_warmup_get_one_line_saying_so(runs: dict[str, Run]) -> None:
+    run = runs["short_warmup"]
+    assert run.returncode == 0, run.stderr
+    notes = [line for line in run.stderr.splitlines() if "warmup" in line]
+    assert notes == [
+        "timm-ls: warning: training stops at step 1, inside the 2-step warmup: the learning rate climbs to 0.0015, "
+        "never to its peak 0.003, and never decays; give more steps or a shorter warmup"
+    ]
+    assert "warmup" not in runs["demo"].stderr  # 8 steps after a warmup of 2: nothing to say
+
+
 def test_default_command_takes_a_yaml_variant_file(runs: dict[str, Run]) -> None:
     run = runs["demo_yaml_variant"]
     assert run.returncode == 0, run.stderr
@@ -212,24 +226,39 @@ def test_version(runs: dict[str, Run]) -> None:
     assert runs["version"].stdout.startswith(f"timm-ls {timm_layerscale.__version__} (timm {timm.__version__}")
 
 
-def test_list_shows_every_variant_with_size_tags_and_config(runs: dict[str, Run]) -> None:
+def test_list_shows_every_variant_with_size_and_tags_in_short_lines(runs: dict[str, Run]) -> None:
     run = runs["list"]
     assert run.returncode == 0, run.stderr
-    lines = {line.split()[0]: line for line in run.stdout.splitlines()[1:]}
+    *table, hint = run.stdout.splitlines()
+    lines = {line.split()[0]: line for line in table[1:]}
     assert sorted(lines) == sorted(timm_layerscale.VARIANTS) and len(lines) == 7
     assert "21.6M" in lines["vit_ls_small_patch16_dinov3"] and "6,716.0M" in lines["vit_ls_7b_patch16_dinov3"]
-    assert "lvd1689m (timm/vit_small_patch16_dinov3_qkvb.lvd1689m)" in lines["vit_ls_small_patch16_dinov3"]
-    assert "sat493m (timm/vit_large_patch16_dinov3_qkvb.sat493m)" in lines["vit_ls_large_patch16_dinov3"]
+    assert lines["vit_ls_small_patch16_dinov3"].endswith("  lvd1689m, lvd1689m_facebook")
     assert lines["vit_ls_large_plus_patch16_dinov3"].rstrip().endswith(" -")
-    for name, line in lines.items():
-        assert f"configs/{name}.yaml" in line
+    assert all(len(line) <= 100 and "/" not in line for line in table), table  # no Hub repos, no paths
+    assert hint == "Hub repos and YAML files: timm-ls list --json"
+
+
+def test_list_json_has_each_tags_hub_repo_and_yaml_file(runs: dict[str, Run], files: Path) -> None:
+    run = runs["list_json"]
+    assert run.returncode == 0, run.stderr
+    found = {v["name"]: v for v in json.loads(run.stdout)}
+    assert sorted(found) == sorted(timm_layerscale.VARIANTS)
+    small = found["vit_ls_small_patch16_dinov3"]
+    assert round(small["params"] / 1e5) == 216  # 21.6M
+    assert small["tags"]["lvd1689m"] == "timm/vit_small_patch16_dinov3_qkvb.lvd1689m"
+    assert found["vit_ls_large_patch16_dinov3"]["tags"]["sat493m"] == "timm/vit_large_patch16_dinov3_qkvb.sat493m"
+    for name, variant in found.items():
+        assert Path(variant["config"]).name == f"{name}.yaml" and Path(variant["config"]).is_file()
+        assert variant["shipped"] is True
+    assert not listing_shipped(str(files / "my_vit.yaml"))  # a user's own YAML would get a config column
 
 
 def test_checkpoint_gammas_show_in_the_table(runs: dict[str, Run], files: Path) -> None:
     run = runs["checkpoint"]
     assert run.returncode == 0, run.stderr
     assert f"weights: checkpoint {files / 'small.safetensors'}" in run.stdout
-    assert "loaded a meta checkpoint" in run.stdout
+    assert "  loaded a checkpoint with Meta DINOv3 keys\n" in run.stdout
     assert gamma_rows(run.stdout) == GAMMA_ROWS
     # The shipped images run at their own size: nothing is cropped or resized behind the user's back.
     assert "shapes_256x256.png: 256x256, run at its own size (no crop, no resize) -> 256 patch tokens" in run.stdout

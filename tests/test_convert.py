@@ -18,7 +18,17 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import EVA, FIXTURES, TINY, VARIANT, max_diff, move_off_init_, transformers_reference
+from conftest import (
+    EVA,
+    FIXTURES,
+    TINY,
+    VARIANT,
+    assert_fp32_close,
+    mapped_ranges,
+    max_diff,
+    move_off_init_,
+    transformers_reference,
+)
 from hub_server import LocalHub, hub_env
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -31,7 +41,8 @@ from timm_layerscale import (
     fold_layer_scale,
     rename_layer_scale,
 )
-from timm_layerscale.checkpoints.layouts import LAYER_SCALE_SPELLINGS, META, TIMM_EVA, TRANSFORMERS
+from timm_layerscale.checkpoints.gamma_keys import GAMMA_SPELLINGS
+from timm_layerscale.checkpoints.layouts import META, TIMM_EVA, TRANSFORMERS
 from timm_layerscale.checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
 from timm_layerscale.convert import expected_state, resolve_model
 from timm_layerscale.publish import save_native
@@ -105,7 +116,7 @@ def test_every_direction_loads_where_it_lands_with_the_sources_outputs(source, t
     result = convert(src, dst, target)
     assert result.layout == {"meta": "meta", "native": "meta", "hf": "transformers", "timm": "timm-eva"}[source]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, dst.name])  # nothing else left
-    assert max_diff(tokens_from(target, dst, "mlp")(images), expected(images)) <= 1e-5
+    assert_fp32_close(tokens_from(target, dst, "mlp")(images), expected(images))
 
 
 def test_a_dcp_training_folder_converts_its_ema_backbone(tmp_path, images):
@@ -123,7 +134,7 @@ def test_a_dcp_training_folder_converts_its_ema_backbone(tmp_path, images):
     result = convert(folder, tmp_path / "hf", "hf")
     assert (result.layout, result.weights) == ("meta", "model_ema")
     assert "distributed checkpoint" in result.summary()
-    assert max_diff(tokens_from("hf", tmp_path / "hf", "mlp")(images), ema.forward_features(images)) <= 1e-5
+    assert_fp32_close(tokens_from("hf", tmp_path / "hf", "mlp")(images), ema.forward_features(images))
 
 
 @pytest.mark.parametrize(("source", "target"), [("meta", "hf"), ("meta", "timm"), ("hf", "meta"), ("timm", "native")])
@@ -131,7 +142,7 @@ def test_swiglu_directions(source, target, tmp_path, images):
     src, expected = make_source(source, tmp_path, "swiglu")
     dst = tmp_path / TARGET_PATHS[target]
     convert(src, dst, target, "swiglu")
-    assert max_diff(tokens_from(target, dst, "swiglu")(images), expected(images)) <= 1e-5
+    assert_fp32_close(tokens_from(target, dst, "swiglu")(images), expected(images))
 
 
 def meta_fixture_kwargs(name: str) -> tuple[str, dict]:
@@ -198,7 +209,7 @@ def test_fuse_layerscale(target, tmp_path, images):
     elif target == "hf":  # transformers always has LayerScale: gammas of 1
         gammas = {k: v for k, v in load_file(dst / "model.safetensors").items() if k.endswith("lambda1")}
         assert len(gammas) == 4 and all(torch.equal(g, torch.ones(64)) for g in gammas.values())
-    assert max_diff(tokens_from(target, dst, "mlp")(images), expected(images)) <= 1e-5
+    assert_fp32_close(tokens_from(target, dst, "mlp")(images), expected(images))
 
 
 def test_dtype_casts_weights_and_keeps_periods(tmp_path):
@@ -217,7 +228,7 @@ def test_hf_shards_above_the_limit_with_an_index(tmp_path, images):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and all((tmp_path / "hf" / s).is_file() for s in shards)
     assert not (tmp_path / "hf" / "model.safetensors").exists()
-    assert max_diff(tokens_from("hf", tmp_path / "hf", "mlp")(images), expected(images)) <= 1e-5
+    assert_fp32_close(tokens_from("hf", tmp_path / "hf", "mlp")(images), expected(images))
 
 
 @torch.no_grad()
@@ -229,7 +240,7 @@ def test_effective_biases_pick_the_eva_architecture(tmp_path, images):
     save_file(contiguous(model.state_dict()), tmp_path / "released.safetensors")
     convert(tmp_path / "released.safetensors", tmp_path / "timm", "timm")
     assert json.loads((tmp_path / "timm" / "config.json").read_text())["architecture"] == "vit_small_patch16_dinov3"
-    assert max_diff(tokens_from("timm", tmp_path / "timm", "mlp")(images), model.forward_features(images)) <= 1e-5
+    assert_fp32_close(tokens_from("timm", tmp_path / "timm", "mlp")(images), model.forward_features(images))
     convert(tmp_path / "released.safetensors", tmp_path / "hf", "hf")
     biases = {k: v for k, v in load_file(tmp_path / "hf" / "model.safetensors").items() if k.endswith("proj.bias")}
     assert all(not v.any() for k, v in biases.items() if ".q_proj" in k or ".v_proj" in k)
@@ -243,7 +254,7 @@ def test_non_zero_k_bias_is_kept_by_transformers_and_named_for_eva(tmp_path, ima
     save_file(contiguous(model.state_dict()), tmp_path / "kbias.safetensors")
     convert(tmp_path / "kbias.safetensors", tmp_path / "hf", "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["key_bias"] is True
-    assert max_diff(tokens_from("hf", tmp_path / "hf", "mlp")(images), model.forward_features(images)) <= 1e-5
+    assert_fp32_close(tokens_from("hf", tmp_path / "hf", "mlp")(images), model.forward_features(images))
     result = convert(tmp_path / "kbias.safetensors", tmp_path / "timm", "timm")
     assert "non-zero k biases (blocks 0, 1)" in result.summary()
     assert any("k bias" in w for w in result.warnings)
@@ -343,14 +354,43 @@ def test_conversion_streams_one_tensor_at_a_time(target, tmp_path):
     assert [recorder.alive_at_read[i] for i in reads] == [0] * len(weights)
 
 
-def test_lazy_reader_is_the_path_taken(tmp_path):
-    """Through `convert_checkpoint(path)`: the source is opened memory-mapped, never loaded whole."""
+def test_lazy_reader_is_the_path_taken(tmp_path, monkeypatch):
+    """Through `convert_checkpoint(path)`: the torch file is memory-mapped, never loaded whole, and each tensor is
+    read from the file only when its turn comes: bytes changed on disk after the first read land in the output."""
     src, _ = make_source("meta", tmp_path)
-    torch.save(load_file(src), tmp_path / "meta.pth")
-    with open_checkpoint(tmp_path / "meta.pth") as ckpt:
-        assert ckpt.kind == "torch file"
-    result = convert(tmp_path / "meta.pth", tmp_path / "out", "hf")
-    assert result.tensors == len(load_file(tmp_path / "out" / "model.safetensors"))
+    path = tmp_path / "meta.pth"
+    torch.save(load_file(src), path)
+    late = "blocks.1.mlp.fc2.weight"
+    old = load_file(src)[late]
+    new = -2 * old
+    offset = path.read_bytes().find(old.numpy().tobytes())
+    assert offset > 0 and path.read_bytes().count(old.numpy().tobytes()) == 1
+    reads, mapped = [], []
+
+    def opened(source, weights, **kwargs):
+        ckpt = open_checkpoint(source, weights, **kwargs)
+        inner = ckpt._read
+
+        def read(key):
+            if not reads and key != late:  # after the first read, the late tensor changes on disk
+                with path.open("r+b") as f:
+                    f.seek(offset)
+                    f.write(new.numpy().tobytes())
+            reads.append(key)
+            tensor = inner(key)
+            mapped.append(any(tensor.data_ptr() in r for r in mapped_ranges(path)))
+            return tensor
+
+        ckpt._read = read
+        return ckpt
+
+    monkeypatch.setattr("timm_layerscale.convert.open_checkpoint", opened)
+    result = convert(path, tmp_path / "out", "hf")
+    assert reads[0] != late and late in reads
+    assert all(mapped)  # every tensor a view of the file's mapped pages
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert result.tensors == len(written)
+    assert torch.equal(written["layer.1.mlp.down_proj.weight"], new)  # read after the change, not before
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
 
@@ -461,7 +501,7 @@ def test_converted_folders_load_from_the_hub(tmp_path, images):
     tokens = load_file(tmp_path / "out.safetensors")
     with torch.no_grad():
         for name in names:
-            assert max_diff(tokens[name], expected(images)) <= 1e-5
+            assert_fp32_close(tokens[name], expected(images))
 
 
 # ------------------------------------------------------------------------------------ other families
@@ -476,7 +516,7 @@ def test_a_foreign_family_is_named_when_loading_too(tmp_path):
         )
 
 
-@pytest.mark.parametrize("to", LAYER_SCALE_SPELLINGS)
+@pytest.mark.parametrize("to", list(GAMMA_SPELLINGS))
 def test_rename_layer_scale_between_spellings(to):
     spelled = {
         "lsN.gamma": ["blocks.0.ls1.gamma", "blocks.0.ls2.gamma"],
@@ -518,8 +558,8 @@ def test_a_folders_config_json_names_the_architecture(source, tmp_path, images):
         folder = tmp_path / "eva"
     result = convert_checkpoint(folder, tmp_path / "out", to="native")
     assert result.reason.startswith("named in config.json" if source != "hf" else "inferred from the shapes and")
-    assert "num_heads=4" in result.reason or source == "native"
-    assert max_diff(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images)) <= 1e-5
+    assert result.model_args["num_heads"] == 4  # from the config (the variant's own is 6)
+    assert_fp32_close(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images))
 
 
 def test_a_yaml_variant_converts_without_being_registered(tmp_path, images):
@@ -530,7 +570,7 @@ def test_a_yaml_variant_converts_without_being_registered(tmp_path, images):
     assert result.variant == "my_tiny_vit" and "my_tiny_vit" not in VARIANTS
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["architecture"] in VARIANTS and config["model_args"]["embed_dim"] == 64  # a shipped name
-    assert max_diff(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images)) <= 1e-5
+    assert_fp32_close(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images))
 
 
 def test_a_large_conversion_shows_progress(tmp_path, capsys):
@@ -570,7 +610,7 @@ def test_a_transformers_k_bias_is_read_back(tmp_path, images):
     with_k.save_pretrained(tmp_path / "hf-k")
     convert(tmp_path / "hf-k" / "model.safetensors", tmp_path / "native", "native")
     expected = with_k(pixel_values=images).last_hidden_state
-    assert max_diff(tokens_from("native", tmp_path / "native", "mlp")(images), expected) <= 1e-5
+    assert_fp32_close(tokens_from("native", tmp_path / "native", "mlp")(images), expected)
 
 
 @torch.no_grad()
@@ -582,7 +622,7 @@ def test_a_model_without_a_bias_mask_loads_the_masked_bias(images):
     model = timm.create_model(variant, mask_k_bias=False, **kwargs).eval()
     model.load_state_dict(meta_sd)
     assert not any(k.endswith("bias_mask") for k in model.state_dict())
-    assert max_diff(model(outputs["input"]), outputs["forward"]) <= 1e-5
+    assert_fp32_close(model(outputs["input"]), outputs["forward"])
 
 
 @torch.no_grad()

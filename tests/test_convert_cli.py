@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import redirect_stderr, redirect_stdout
@@ -13,11 +16,12 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+import torch.distributed.checkpoint as dcp
 from conftest import TINY, move_off_init_
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Dinov2Config, Dinov2Model
 
-from timm_layerscale import CheckpointError
+from timm_layerscale import CheckpointError, convert_checkpoint
 from timm_layerscale.cli import main
 
 CLI = [sys.executable, "-m", "timm_layerscale.cli"]
@@ -114,7 +118,7 @@ def test_a_conversion_prints_one_summary_line(runs: dict[str, Run], files: Path)
     assert run.returncode == 0, run.stderr
     summary = run.stdout.splitlines()[-1]
     source = files / "small.safetensors"
-    assert summary.startswith(f"converted {source} (safetensors file, meta layout, weights: the only weights set)")
+    assert summary.startswith(f"converted {source} (safetensors file, Meta DINOv3 keys, weights: the only weights set)")
     assert f"to native {files / 'out-native'}: vit_ls_small_patch16_dinov3 (given, with " in summary
     assert " tensors, " in summary and " KB, " in summary and summary.endswith(" s")
     assert sorted(p.name for p in (files / "out-native").iterdir()) == ["config.json", "model.safetensors"]
@@ -130,7 +134,7 @@ def test_fused_conversion_says_so(runs: dict[str, Run]) -> None:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("unknown_to", "unknown target 'onnx'; pass --to one of native, meta, hf, timm"),
+        ("unknown_to", "unknown target 'onnx'; pass --to one of native, meta, meta-train, hf, timm"),
         ("unknown_dtype", "unknown dtype 'int4'; pass --dtype one of keep, fp32, bf16, fp16"),
         ("unknown_weights", "unknown weights set 'best'; pass --weights one of auto, ema, raw"),
         ("unknown_model", "unknown model 'vit_ls_smal_patch16_dinov3'; did you mean vit_ls_small_patch16_dinov3"),
@@ -171,3 +175,106 @@ def test_debug_shows_the_traceback(files: Path) -> None:
     args = ["convert", str(files / "small.safetensors"), str(files / "exists"), "--to", "native", *SMALL]
     with pytest.raises(CheckpointError, match="or choose another path"):
         main(["--debug", *args])
+
+
+# ------------------------------------------------------------------------------- the source is never replaced
+
+
+@pytest.fixture(scope="module")
+def sources(files: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A safetensors file, a Hub folder (weights + config.json), sharded hf and a DCP folder, and links to them."""
+    root = tmp_path_factory.mktemp("sources")
+    shutil.copy(files / "small.safetensors", root / "small.safetensors")
+    small = str(root / "small.safetensors")
+    assert main(["convert", small, str(root / "native"), "--to", "native", *SMALL]) == 0
+    convert_checkpoint(
+        root / "small.safetensors", root / "sharded", to="hf", model=SMALL[1], model_kwargs=TINY, max_shard_size=20_000
+    )
+    assert len(list((root / "sharded").glob("model-*.safetensors"))) > 2
+    dcp.save({"model": load_file(root / "small.safetensors")}, checkpoint_id=root / "dcp", no_dist=True)
+    (root / "holder").mkdir()
+    shutil.copy(root / "small.safetensors", root / "holder" / "inner.safetensors")
+    (root / "holds_a_link").mkdir()
+    os.link(root / "small.safetensors", root / "holds_a_link" / "same.safetensors")
+    os.link(root / "small.safetensors", root / "hard.safetensors")
+    (root / "sym.safetensors").symlink_to(root / "small.safetensors")
+    os.link(root / "dcp" / "__0_0.distcp", root / "distcp.pth")
+    os.link(root / "native" / "config.json", root / "config.pth")
+    return root
+
+
+REPLACING = {
+    "a Hub folder's weights": ("native", "native/model.safetensors", "meta", "native/model.safetensors"),
+    "a shard of the index": ("sharded", "sharded/SHARD", "meta", "sharded/SHARD"),
+    "the source itself": ("small.safetensors", "small.safetensors", "meta", "small.safetensors"),
+    "a folder holding the source": ("holder/inner.safetensors", "holder", "hf", "holder/inner.safetensors"),
+    "a hard link to the source": ("small.safetensors", "hard.safetensors", "meta", "small.safetensors"),
+    "a symlink to the source": ("small.safetensors", "sym.safetensors", "meta", "small.safetensors"),
+    "a folder holding a hard link": (
+        "small.safetensors",
+        "holds_a_link",
+        "hf",
+        "small.safetensors (SOURCES/holds_a_link/same.safetensors is the same file)",
+    ),
+    "the DCP folder": ("dcp", "dcp", "hf", "dcp/.metadata"),
+    "a DCP data file, linked": ("dcp", "distcp.pth", "meta", "dcp/__0_0.distcp"),
+    "a Hub folder's config.json, linked": ("native", "config.pth", "meta", "native/config.json"),
+}
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under `root` (links as their targets' bytes) by its digest: what a refusal must leave."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("case", list(REPLACING))
+def test_overwrite_never_replaces_the_source(sources: Path, case: str, capsys) -> None:
+    shard = sorted((sources / "sharded").glob("model-*.safetensors"))[1].name
+    src, dst, to, replaced = (part.replace("SHARD", shard).replace("SOURCES", str(sources)) for part in REPLACING[case])
+    before = snapshot(sources)
+    args = ["convert", str(sources / src), str(sources / dst), "--to", to, "--overwrite", *SMALL]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    refusal = f"{sources / dst} would replace the source file {sources / replaced}; choose another destination"
+    assert err == f"timm-ls: error: {refusal}\n"
+    assert snapshot(sources) == before
+    assert not [p for p in sources.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_a_new_file_beside_the_source_is_fine(sources: Path, capsys) -> None:
+    """Writing into the source's folder replaces nothing it reads; nor does a DST under a DCP folder."""
+    before = snapshot(sources / "native")
+    assert main(["convert", str(sources / "native"), str(sources / "native" / "meta.pth"), "--to", "meta"]) == 0
+    assert snapshot(sources / "native") == {**before, "meta.pth": snapshot(sources / "native")["meta.pth"]}
+    assert main(["convert", str(sources / "native"), str(sources / "other"), "--to", "hf", "--overwrite"]) == 0
+    assert main(["convert", str(sources / "dcp"), str(sources / "dcp" / "out.pth"), "--to", "meta", *SMALL]) == 0
+    (sources / "stale").mkdir()
+    (sources / "stale" / "gone.safetensors").symlink_to(sources / "absent.safetensors")  # a dangling link
+    assert main(["convert", str(sources / "native"), str(sources / "stale"), "--to", "hf", "--overwrite"]) == 0
+    capsys.readouterr()
+
+
+def test_a_native_folder_to_meta_summary_counts_its_model_arguments_and_json_lists_them(
+    runs: dict[str, Run], files: Path, capsys
+) -> None:
+    native = files / "out-native"  # with its config.json: every model argument, named there
+    assert main(["convert", str(native), str(files / "short.pth"), "--to", "meta"]) == 0
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert "vit_ls_small_patch16_dinov3 (named in config.json, with 36 model arguments)" in summary
+    assert len(summary) - len(str(native)) - len(str(files / "short.pth")) <= 200, summary
+    assert main(["convert", str(native), str(files / "short.safetensors"), "--to", "meta", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["keys"] == "Meta DINOv3 keys" and result["layout"] == "meta" and result["target"] == "meta"
+    assert result["model_args"]["embed_dim"] == TINY["embed_dim"] and len(result["model_args"]) == 36
+    assert result["summary"].startswith(f"converted {native} (Hub folder, Meta DINOv3 keys, weights: ")
+    assert result["destination"] == str(files / "short.safetensors") and (files / "short.safetensors").is_file()
+
+
+def test_a_few_model_arguments_are_listed_in_the_summary(runs: dict[str, Run]) -> None:
+    summary = runs["ok"].stdout.splitlines()[-1]
+    assert "(given, with embed_dim=64 num_heads=4 depth=2)" in summary

@@ -145,7 +145,7 @@ def test_ablate_writes_curves_gammas_summary_and_plot(ablation, capsys):
         line.startswith(("LayerScale helped", "LayerScale did not help", "no clear difference")) for line in summary
     )
     image = Image.open(out / "curves.png")
-    assert image.format == "PNG" and image.size == (1380, 380)
+    assert image.format == "PNG" and image.size == (1480, 380)
     umask = os.umask(0)
     os.umask(umask)
     assert {(out / name).stat().st_mode & 0o777 for name in ("curves.csv", "curves.png")} == {0o666 & ~umask}
@@ -296,3 +296,45 @@ def test_summary_counts_diverged_runs_and_ranks_them_last():
     assert "at step 42" in off
     assert lines[-1] == "ranking by mean held-out accuracy: 1e-06 > off"
     assert "mean |gamma| at the end 0.03" in next(line for line in lines if line.startswith("init_values 1e-06"))
+
+
+def test_the_curves_show_accuracy_in_percent_as_the_text_does_with_the_legend_off_the_data():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from timm_layerscale.tools.plots import curves_figure
+
+    runs = {r["label"]: [] for r in fake_results({"off": [0.3], "0.1": [0.6]})}
+    for r in fake_results({"off": [0.3, 0.5], "0.1": [0.6, 0.8]}):
+        runs[r["label"]] += [dict(row, seed=r["seed"]) for row in r["history"]]
+    fig = curves_figure(runs, "title", gammas={"0.1": [0.02, 0.04]})
+    FigureCanvasAgg(fig).draw()
+    loss, accuracy, _ = fig.axes
+    assert "%" in accuracy.get_ylabel() and "%" not in loss.get_ylabel()
+    means = {line.get_label(): list(line.get_ydata()) for line in accuracy.get_lines()}
+    assert means == {"off": [pytest.approx(40.0)], "0.1": [pytest.approx(70.0)]}  # the mean of the seeds, in %
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0].get_window_extent(renderer)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["off", "0.1"]
+    assert not any(legend.overlaps(ax.get_window_extent(renderer)) for ax in fig.axes)
+
+
+def test_one_seed_reads_as_one_seed_and_a_run_inside_its_warmup_says_so(monkeypatch, tmp_path, capsys):
+    import timm_layerscale.cli.ablate as ablate
+
+    monkeypatch.setattr(ablate, "_run_all", lambda experiment, jobs: fake_results({"off": [0.5], "0.1": [0.55]}))
+    args = ["ablate", "--seeds", "0", "--init-values", "off", "0.1", "--depth", "2", "--width", "32"]
+    assert main([*args, "--out", str(tmp_path / "a"), "--steps", "30"]) == 0
+    out, err = capsys.readouterr()
+    assert "ablation: 2 runs (2 init values x 1 seed), 30 steps each" in out
+    assert ", seed 0; data: " in (tmp_path / "a" / "summary.txt").read_text()
+    assert err.count("\n") == 1 and "training stops at step 30, inside the 50-step warmup" in err
+    assert main([*args, "--out", str(tmp_path / "b"), "--steps", "50"]) == 0
+    assert "warmup" not in capsys.readouterr().err
+
+
+def test_the_warmup_note_says_how_far_the_learning_rate_got():
+    assert TrainConfig(steps=50, warmup=50).short_warmup_note() is None
+    assert TrainConfig(steps=0, warmup=0).short_warmup_note() is None
+    note = TrainConfig(steps=30, warmup=50, lr=2e-3).short_warmup_note()
+    assert note.startswith("training stops at step 30, inside the 50-step warmup: the learning rate climbs to 0.0012")
+    assert "never to its peak 0.002" in note

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import timm
 import torch
+from conftest import assert_fp32_close
 from hub_server import LocalHub, hub_env
 from safetensors.torch import load_file, save_file
 from timm.models.eva import Eva
@@ -70,8 +71,8 @@ def test_pretrained_eva_weights_from_the_hub_match_timm_eva(hub_root: tuple[Path
         tokens = eva.forward_features(x)
         pooled = eva.forward_head(tokens, pre_logits=True)
     assert out["tokens"].shape == tokens.shape == (2, 1 + 4 + 4 * 6, 384)
-    assert (out["tokens"] - tokens).abs().max() <= 1e-5
-    assert (out["pooled"] - pooled).abs().max() <= 1e-5
+    assert_fp32_close(out["tokens"], tokens)
+    assert_fp32_close(out["pooled"], pooled)
 
 
 def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
@@ -87,7 +88,7 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
         online = run(cli, env)
     assert online.returncode == 0, online.stderr
     assert f"weights: Hub {HUB_ID}\n" in online.stdout
-    assert "loaded a timm-eva checkpoint" in online.stdout
+    assert "  loaded a checkpoint with timm eva keys\n" in online.stdout
     assert online.stdout.count("LayerScale: kept 4 gammas from the checkpoint") == 1  # reported once
     assert online.stdout.split("LayerScale gammas: ")[1].splitlines()[2].split()[:5] == expected_row
 
@@ -138,3 +139,23 @@ def test_inspect_pretrained_reads_the_hub_file_then_the_cache(hub_root: tuple[Pa
     assert failed.returncode == 2 and failed.stdout == ""
     assert failed.stderr.startswith("timm-ls: error: --pretrained: the Hub is not reachable (http://127.0.0.1:9")
     assert "is not in the local cache; pass the downloaded file instead" in failed.stderr
+
+
+def test_cli_pretrained_asks_the_hub_once(hub_root: tuple[Path, Eva], tmp_path: Path) -> None:
+    """The command learns where the weights came from from the loader's own requests, and adds none."""
+    root, _ = hub_root
+    loader = [sys.executable, "-c", "import sys, timm_layerscale as t; print(t.fetch_hub_weights(sys.argv[1]).origin)"]
+    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", *TINY]
+
+    def weights_requests(args: list[str], home: Path) -> tuple[list[str], subprocess.CompletedProcess]:
+        with LocalHub(root) as hub:
+            result = run(args, hub_env(hub, home))
+        return [r.split()[0] for r in hub.requests if r.split("?")[0].endswith("/model.safetensors")], result
+
+    alone, fetched = weights_requests([*loader, HUB_ID], tmp_path / "alone")
+    assert fetched.returncode == 0, fetched.stderr
+    assert fetched.stdout == f"Hub {HUB_ID}\n"
+    through_cli, result = weights_requests(cli, tmp_path / "cli")
+    assert result.returncode == 0, result.stderr
+    assert f"weights: Hub {HUB_ID}\n" in result.stdout
+    assert through_cli == alone and alone.count("GET") == 1, (through_cli, alone)

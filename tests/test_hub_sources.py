@@ -18,9 +18,11 @@ import huggingface_hub
 import pytest
 import timm
 import torch
-from conftest import TINY, max_diff, move_off_init_
+import yaml
+from conftest import TINY, assert_fp32_close, move_off_init_
 from hub_server import LocalHub, hub_env
 from huggingface_hub import constants
+from packaging.version import Version
 from safetensors.torch import save_file
 from timm.models import get_pretrained_cfg
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
@@ -113,7 +115,7 @@ def small(pretrained: bool = True, **kwargs) -> torch.nn.Module:
 @torch.no_grad()
 def assert_matches(model: torch.nn.Module, reference: DINOv3ViTModel, images: torch.Tensor) -> None:
     expected = reference(pixel_values=images).last_hidden_state
-    assert max_diff(model.forward_features(images), expected) < 1e-4
+    assert_fp32_close(model.forward_features(images), expected)
 
 
 # ------------------------------------------------------------------------------------------------ tags
@@ -152,10 +154,12 @@ def test_list_and_readme_show_the_official_tags(capsys: pytest.CaptureFixture[st
     from timm_layerscale.cli import main
 
     assert main(["list"]) == 0
-    out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if line.startswith("vit_ls_large_patch16_dinov3 "))
-    assert "lvd1689m_facebook (facebook/dinov3-vitl16-pretrain-lvd1689m)" in row
-    assert "sat493m_facebook (facebook/dinov3-vitl16-pretrain-sat493m)" in row
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("vit_ls_large_patch16_dinov3 "))
+    assert row.endswith("  lvd1689m, sat493m, lvd1689m_facebook, sat493m_facebook")
+    assert main(["list", "--json"]) == 0
+    tags = next(v["tags"] for v in json.loads(capsys.readouterr().out) if v["name"] == "vit_ls_large_patch16_dinov3")
+    assert tags["lvd1689m_facebook"] == "facebook/dinov3-vitl16-pretrain-lvd1689m"
+    assert tags["sat493m_facebook"] == "facebook/dinov3-vitl16-pretrain-sat493m"
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert "`lvd1689m`, `sat493m`, `lvd1689m_facebook`, `sat493m_facebook`" in readme
 
@@ -403,7 +407,7 @@ def test_a_folded_model_rebuilds_without_layer_scale(hub: LocalHub, images) -> N
     again = published(model, "someone/small-folded")
     assert not any("gamma" in k for k in again.state_dict())
     assert all(v is None for pair in again.config.layer_init_values for v in pair)
-    assert max_diff(again(images), expected) < 1e-5
+    assert_fp32_close(again(images), expected)
     card = (hub.root / "someone/small-folded/README.md").read_text()
     assert "- on 0 of 4 branches; off" in card
     assert "- no gammas (LayerScale off or folded into the projections)" in card
@@ -452,3 +456,85 @@ def test_save_for_hub_writes_the_folder_once(tmp_path: Path) -> None:
     assert "# someone/x" in (folder / "README.md").read_text()
     again = timm.create_model(f"local-dir:{folder}", pretrained=True)
     assert again.config == model.config
+
+
+# ------------------------------------------------------------------- publishing with timm's own helpers
+
+# timm 1.0.31 records create_model's arguments and its save_for_hf / push_to_hf_hub write them as model_args.
+RECORDS_MODEL_ARGS = Version(timm.__version__) >= Version("1.0.31")
+needs_recorded_args = pytest.mark.skipif(
+    not RECORDS_MODEL_ARGS, reason="timm 1.0.31 records model args for save_for_hf; older timms write none"
+)
+OWN_YAML = {"base": SMALL, "model": {"depth": 3, "init_values": "auto", "rope_normalize_coords": "max"}}
+
+FRESH_LOAD = """
+import sys, timm, torch
+import timm_layerscale  # the shipped variants only, as the start-up hook registers them where installed
+name, yaml_name, out, threads = sys.argv[1:]
+torch.set_num_threads(int(threads))  # the parent's: the same matmul splits, so outputs compare bit for bit
+model = timm.create_model(name, pretrained=True).eval()
+x = torch.randn(2, 3, 48, 80, generator=torch.Generator().manual_seed(1))  # conftest's images
+with torch.no_grad():
+    found = dict(state=model.state_dict(), out=model(x), yaml_known=timm.is_model(yaml_name))
+torch.save(found, out)
+"""
+
+
+def own_yaml_model(tmp_path: Path, name: str) -> torch.nn.Module:
+    """A model of a user's YAML file (depth, LayerScale and RoPE settings its base does not have)."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(OWN_YAML))
+    assert register_variant(path) == name
+    torch.manual_seed(0)
+    return move_off_init_(timm.create_model(name, embed_dim=64, num_heads=4, num_classes=5)).eval()
+
+
+def rebuilt_in_fresh_process(source: str, yaml_name: str, tmp_path: Path, env: dict[str, str] | None = None) -> dict:
+    out = tmp_path / "fresh.pt"
+    args = [sys.executable, "-c", FRESH_LOAD, source, yaml_name, str(out), str(torch.get_num_threads())]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return torch.load(out, weights_only=True)
+
+
+def assert_rebuilt(found: dict, model: torch.nn.Module, images: torch.Tensor) -> None:
+    assert not found["yaml_known"]  # the fresh process never saw the YAML
+    state = model.state_dict()
+    assert found["state"].keys() == state.keys()
+    assert all(torch.equal(found["state"][k], v) for k, v in state.items())
+    with torch.no_grad():
+        assert torch.equal(found["out"], model(images))
+
+
+@needs_recorded_args
+@pytest.mark.parametrize("safe_serialization", [False, True])
+def test_timms_save_for_hf_of_an_own_yaml_variant_rebuilds_without_the_yaml(tmp_path, images, safe_serialization):
+    name = f"my_timm_saved_vit_ls_{int(safe_serialization)}"
+    model = own_yaml_model(tmp_path, name)
+    timm.models.save_for_hf(model, tmp_path / "saved", safe_serialization=safe_serialization)
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architecture"] == SMALL
+    args = config["model_args"]
+    assert (args["depth"], args["init_values"], args["rope_normalize_coords"]) == (3, "auto", "max")
+    assert (args["embed_dim"], args["num_heads"], args["num_classes"]) == (64, 4, 5)
+    assert_rebuilt(rebuilt_in_fresh_process(f"local-dir:{tmp_path / 'saved'}", name, tmp_path), model, images)
+
+
+@needs_recorded_args
+def test_timms_push_to_hf_hub_of_an_own_yaml_variant_rebuilds_from_hf_hub(hub: LocalHub, tmp_path, images):
+    name = "my_timm_pushed_vit_ls"
+    model = own_yaml_model(tmp_path, name)
+    timm.models.push_to_hf_hub(model, "someone/timm-pushed")
+    assert json.loads((hub.root / "someone/timm-pushed/config.json").read_text())["architecture"] == SMALL
+    env = hub_env(hub, tmp_path / "fresh_hf_home")
+    assert_rebuilt(rebuilt_in_fresh_process("hf-hub:someone/timm-pushed", name, tmp_path, env), model, images)
+
+
+@pytest.mark.skipif(RECORDS_MODEL_ARGS, reason="timm before 1.0.31 records no model args")
+def test_older_timms_save_for_hf_keeps_the_yaml_name(tmp_path):
+    model = own_yaml_model(tmp_path, "my_old_timm_saved_vit_ls")
+    timm.models.save_for_hf(model, tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architecture"] == "my_old_timm_saved_vit_ls" and "model_args" not in config
+    save_for_hub(model, tmp_path / "ours")  # this package's own helper rebuilds it with any timm
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["architecture"] == SMALL

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale.cli import main
-from timm_layerscale.tools.gammas import BranchStats, gamma_stats
+from timm_layerscale.tools.gammas import BlockGammas, BranchStats, gamma_stats
 from timm_layerscale.tools.plots import gamma_figure
 
 NAME = "vit_ls_small_patch16_dinov3"
@@ -105,7 +106,7 @@ def test_png_is_a_valid_image_with_both_branches(ours, tmp_path, capsys):
     code, out, _ = inspect(capsys, ours, "--plot", tmp_path / "gammas.png")
     assert code == 0 and f"plot: {tmp_path / 'gammas.png'}" in out
     image = Image.open(tmp_path / "gammas.png")
-    assert image.format == "PNG" and image.size == (750, 400)
+    assert image.format == "PNG" and image.size == (850, 420)
     colours = {pixel[:3] for _, pixel in image.convert("RGB").getcolors(1 << 20)}
     assert (31, 119, 180) in colours and (255, 127, 14) in colours  # the attn and mlp lines
     assert not list(tmp_path.glob(".gammas*"))  # no temporary file left
@@ -127,8 +128,8 @@ def test_the_figure_draws_each_branch_on_a_log_axis(ours):
     assert lines["attn mean |gamma|"] == pytest.approx([EXPECTED[0][0]["mean"], EXPECTED[1][0]["mean"]], rel=1e-5)
     assert lines["mlp mean |gamma|"] == pytest.approx([EXPECTED[0][1]["mean"], EXPECTED[1][1]["mean"]], rel=1e-5)
     assert lines["attn before"] == pytest.approx([1e-5, 1e-5])
-    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # attn: from min (block 1's 0, drawn at 1e-8) to max
-    assert band.min() == pytest.approx(1e-8) and band.max() == pytest.approx(3.0)
+    bars = [segment[:, 1] for segment in ax.collections[0].get_segments()]  # attn: min to max, per block
+    assert [v for bar in bars for v in bar] == pytest.approx([1e-5, 2.0, 1e-8, 3.0])  # block 1's 0 drawn at 1e-8
 
 
 @pytest.mark.parametrize(
@@ -292,7 +293,7 @@ def sparse_safetensors(path: Path, shapes: dict[str, torch.Size], written: dict[
 MEASURE = """
 import json, resource, sys
 from timm_layerscale.cli import main
-from timm_layerscale.tools.gammas import BranchStats, gamma_stats
+from timm_layerscale.tools.gammas import BlockGammas, BranchStats, gamma_stats
 from timm_layerscale.tools.plots import gamma_figure
 code = main(sys.argv[1:])
 print(json.dumps({"code": code, "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}), file=sys.stderr)
@@ -322,3 +323,114 @@ def test_a_7b_checkpoint_reads_only_its_gammas(tmp_path):
         attn, mlp = (block + 1) / 16, 2.0 ** -(block % 8)
         assert_stats(blocks[block]["attn"], dict(mean=(2.0**-12 + 3 * attn) / 4, median=attn, max=attn, muted=0.25))
         assert_stats(blocks[block]["mlp"], dict(mean=(2.0**-12 + 3 * mlp) / 4, median=mlp, max=mlp, muted=0.25))
+
+
+# ------------------------------------------------------------------------------------------ readable plots
+
+
+def flat(labels: list[str], value: float = 1e-5) -> list[BlockGammas]:
+    """Blocks whose gammas all still equal their init, as a random-init CaiT or DeiT-III has them."""
+    stats = BranchStats.of(torch.full((192,), value))
+    return [BlockGammas(label, f"blocks.{label}", stats, stats) for label in labels]
+
+
+def drawn(fig):
+    """The figure laid out and drawn, as it is saved: its renderer, for where each piece of text landed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    return fig.canvas.get_renderer()
+
+
+def shown_tick_labels(ax, axis: str) -> list:
+    low, high = ax.get_ylim() if axis == "y" else ax.get_xlim()
+    ticks = ax.yaxis.get_major_ticks() if axis == "y" else ax.xaxis.get_major_ticks()
+    return [t.label1 for t in ticks if low <= t.get_loc() <= high and t.label1.get_visible() and t.label1.get_text()]
+
+
+def overlapping(boxes) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(len(boxes)) for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
+
+
+def test_stats_reduce_in_float64_so_the_mean_lies_between_min_and_max():
+    for channels in (192, 384, 1536):  # CaiT-XXS, ViT-S, ViT-L: float32 means of 1e-5 fall below or above it
+        stats = BranchStats.of(torch.full((channels,), 1e-5))
+        assert stats.mean == stats.median == stats.min == stats.max == 1e-05, channels
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        stats = BranchStats.of(torch.rand(1536, generator=generator) * 1e-3 + 1e-5)
+        assert stats.min <= stats.mean <= stats.max and stats.min <= stats.median <= stats.max
+
+
+@pytest.mark.parametrize("spread", [0.0, 1e-6])  # all equal, or nearly (1e-5 and 1.00001e-5)
+def test_a_flat_series_gets_a_readable_log_axis(spread):
+    cait = [f"blocks.{i}" for i in range(24)] + ["blocks_token_only.0", "blocks_token_only.1"]
+    stats = BranchStats.of(torch.tensor([1e-5, 1e-5 * (1 + spread)]).repeat(96))
+    fig = gamma_figure([BlockGammas(label, label, stats, stats) for label in cait], "cait")
+    ax = fig.axes[0]
+    drawn(fig)
+    low, high = ax.get_ylim()
+    assert low < 1e-5 < high and high / low >= 100  # two decades at least around the one value
+    labels = [t.get_text() for t in shown_tick_labels(ax, "y")]
+    assert len(labels) >= 2 and len(set(labels)) == len(labels), labels  # not four ticks all "10x10^-6"
+
+
+@pytest.mark.parametrize(
+    "labels",
+    [
+        [f"blocks.{i}" for i in range(24)] + ["blocks_token_only.0", "blocks_token_only.1"],  # CaiT
+        [str(i) for i in range(40)],  # the 7B's 40 blocks
+        [str(i) for i in range(12)],
+    ],
+)
+def test_block_labels_do_not_overlap(labels):
+    fig = gamma_figure(flat(labels), "title")
+    renderer = drawn(fig)
+    shown = shown_tick_labels(fig.axes[0], "x")
+    assert [t.get_text() for t in shown] == labels[:: math.ceil(len(labels) / len(shown))]
+    assert len(shown) >= min(len(labels), 20)
+    assert overlapping([t.get_window_extent(renderer) for t in shown]) == []
+
+
+def test_equal_series_and_their_before_lines_stay_visible_side_by_side():
+    blocks = flat([str(i) for i in range(4)])
+    fig = gamma_figure(blocks, "title", before=blocks)
+    renderer = drawn(fig)
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert sorted(lines) == ["attn before", "attn mean |gamma|", "mlp before", "mlp mean |gamma|"]
+    for kind in ("mean |gamma|", "before"):
+        attn, mlp = lines[f"attn {kind}"], lines[f"mlp {kind}"]
+        assert list(attn.get_ydata()) == list(mlp.get_ydata())  # the same values...
+        assert all(m - a > 0.2 for a, m in zip(attn.get_xdata(), mlp.get_xdata()))  # ...side by side
+        assert attn.get_marker() != mlp.get_marker() and attn.get_linestyle() != mlp.get_linestyle()
+        assert [round(x) for x in attn.get_xdata()] == [0, 1, 2, 3]  # each beside its own block
+    assert lines["attn before"].get_linestyle() != lines["attn mean |gamma|"].get_linestyle()
+    assert lines["attn before"].get_markerfacecolor() == "none"  # hollow: before, never mistaken for after
+    # min-to-max bars: one per block and branch, never on top of each other, so never blended
+    bars = [x for collection in ax.collections for x in (s[0][0] for s in collection.get_segments())]
+    assert len(bars) == 8 and min(abs(a - b) for i, a in enumerate(bars) for b in bars[i + 1 :]) > 0.2
+    # the legend sits beside the axes, off the data
+    legend = fig.legends[0].get_window_extent(renderer)
+    assert not legend.overlaps(ax.get_window_extent(renderer))
+
+
+def test_cait_summary_names_its_blocks_once_and_says_when_every_block_is_equal(tmp_path, capsys):
+    torch.manual_seed(0)
+    kwargs = dict(depth=2, depth_token_only=1, embed_dim=64, num_heads=4, img_size=64)
+    model = timm.create_model("cait_xxs24_224", **kwargs)
+    with torch.no_grad():
+        model.blocks_token_only[0].gamma_1.fill_(0.5)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "cait.safetensors")
+    code, out, _ = inspect(capsys, tmp_path / "cait.safetensors")
+    assert code == 0
+    assert "attn: mean |gamma| from 1e-05 (blocks.0) to 0.5 (blocks_token_only.0); " in out
+    assert "mlp: mean |gamma| 1e-05 in every block; 100.0% of channels muted" in out
+
+
+def test_a_model_without_layer_scale_blocks_says_so(capsys):
+    code, _, err = inspect(capsys, "resnet10t")
+    assert code == 2 and err.count("\n") == 1
+    assert "resnet10t has no LayerScale blocks: it has no transformer blocks with attention" in err
+    code, _, err = inspect(capsys, NAME, "--model-kwargs", "depth=2", "init_values=off")  # a ViT, LayerScale off
+    assert code == 2 and "LayerScale is off there or was folded into the projections" in err

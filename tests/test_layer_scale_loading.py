@@ -5,7 +5,7 @@ import logging
 import pytest
 import timm
 import torch
-from conftest import TINY, max_diff, move_off_init_
+from conftest import TINY, assert_fp32_close, max_diff, move_off_init_
 from safetensors.torch import save_file
 from timm.models import load_checkpoint
 
@@ -39,7 +39,7 @@ def test_gammas_fold_into_a_model_without_layer_scale(ffn, tmp_path, images, ls_
     save_file(src.state_dict(), tmp_path / "with_gammas.safetensors")
     for model in load_both_ways(tmp_path / "with_gammas.safetensors", init_values=0, **kwargs):
         assert not any(k.endswith("gamma") for k in model.state_dict())
-        assert max_diff(model.forward_features(images), src.forward_features(images)) <= 1e-5
+        assert_fp32_close(model.forward_features(images), src.forward_features(images))
     lines = layer_scale_lines(ls_log)
     assert len(lines) == 2 and all("folded 4 gammas" in line for line in lines)  # once per load
 
@@ -50,7 +50,7 @@ def test_folding_from_a_foreign_layout(tmp_path, images):
     torch.save(eva.state_dict(), tmp_path / "eva.pth")
     model = timm.create_model(NAME, **TINY, init_values="off", rope_periods_bf16=False).eval()
     load_checkpoint(model, str(tmp_path / "eva.pth"))
-    assert max_diff(model.forward_features(images), eva.forward_features(images)) <= 1e-5
+    assert_fp32_close(model.forward_features(images), eva.forward_features(images))
 
 
 @torch.no_grad()
@@ -59,7 +59,7 @@ def test_public_fold_layer_scale_keeps_outputs(images):
     before = model.forward_features(images)
     fold_layer_scale(model)
     assert not any(k.endswith("gamma") for k in model.state_dict())
-    assert max_diff(model.forward_features(images), before) <= 1e-5
+    assert_fp32_close(model.forward_features(images), before)
     assert model.config.layer_init_values == [(None, None)] * 2
 
 

@@ -6,9 +6,10 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import FIXTURES, TINY, max_diff, move_off_init_
+from conftest import FIXTURES, TINY, assert_fp32_close, max_diff, move_off_init_
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file, save_file
+from test_meta_parity import build_from_meta_file
 from test_reference_parity import eva_reference, transformers_reference
 from timm.models import load_checkpoint, save_for_hf
 
@@ -94,7 +95,7 @@ def test_every_loading_flag_reads_every_layout(layout, tmp_path, images):
     expected = reference(images)
     for flag, load in LOADERS.items():
         model = load(path).eval()
-        assert max_diff(model.forward_features(images), expected) <= 1e-5, flag
+        assert_fp32_close(model.forward_features(images), expected, what=flag)
         assert model(images).shape == (2, 5), flag
 
 
@@ -111,7 +112,7 @@ def test_hub_folders_load_as_pretrained_files(folder, tmp_path, images):
         save_for_hf(reference, tmp_path / "ckpt", safe_serialization=True)
         expected = reference.forward_features(images)
     model = from_file(tmp_path / "ckpt", rope_periods_bf16=False)
-    assert max_diff(model.forward_features(images), expected) <= 1e-5
+    assert_fp32_close(model.forward_features(images), expected)
 
 
 @torch.no_grad()
@@ -170,7 +171,10 @@ def test_wrong_architecture_names_first_mismatch(tmp_path):
     with pytest.raises(CheckpointError) as info:
         from_file(tmp_path / "wide.safetensors")
     message = str(info.value)
-    assert "the meta checkpoint does not fit vit_ls_small_patch16_dinov3: cls_token is [1, 1, 128]" in message
+    assert (
+        "the checkpoint (Meta DINOv3 keys) does not fit vit_ls_small_patch16_dinov3: cls_token is [1, 1, 128]"
+        in message
+    )
     assert "but [1, 1, 64] in the model" in message and "\n" not in message
 
 
@@ -253,4 +257,22 @@ def test_conversion_is_idempotent_and_complete():
     native, report = convert_state_dict(source_model().state_dict(), model)
     again, _ = convert_state_dict(native, model)
     assert list(native) == list(model.state_dict()) == list(again)
-    assert report[0] == "loaded a meta checkpoint"
+    assert report[0] == "loaded a checkpoint with Meta DINOv3 keys"
+
+
+def test_the_report_names_the_keys_as_users_do():
+    """Not "a meta checkpoint" (the meta device? Meta's file?): the layout as its users call it."""
+    headless = timm.create_model(NAME, **TINY)
+    sources = {
+        "Meta DINOv3 keys": load_file(FIXTURES / "meta_mlp.safetensors"),
+        "transformers DINOv3ViTModel keys": transformers_reference("mlp").state_dict(),
+        "timm eva keys": eva_reference("mlp").state_dict(),
+    }
+    for keys, state in sources.items():
+        model = build_from_meta_file("meta_mlp") if keys == "Meta DINOv3 keys" else headless
+        _, report = convert_state_dict(state, model)
+        assert report[0] == f"loaded a checkpoint with {keys}", keys
+    # A classifier head: a timm-layerscale model's own state dict (timm's train.py saves these).
+    classifier = timm.create_model(NAME, num_classes=3, **TINY)
+    _, report = convert_state_dict(classifier.state_dict(), classifier)
+    assert report[0] == "loaded a checkpoint with timm-layerscale keys"

@@ -1,10 +1,17 @@
+import json
+
 import pytest
 import timm
+import timm.data
 import torch
-from conftest import TINY, max_diff, move_off_init_
+from conftest import TINY, VARIANT, assert_fp32_close, max_diff, move_off_init_
+from packaging.version import Version
+from PIL import Image
+from safetensors.torch import save_file
+from timm.layers import RotaryEmbeddingDinoV3
 from timm.models._manipulate import group_parameters
 
-from timm_layerscale import VisionTransformerLS
+from timm_layerscale import VisionTransformerLS, convert_checkpoint, save_native
 from timm_layerscale.layers import RopeEmbedding, apply_rope
 
 # Meta's published parameter counts (millions), mask token and qkv biases included.
@@ -16,6 +23,8 @@ PARAMS_M = {
     "vit_ls_huge_plus_patch16_dinov3": 840.63,
     "vit_ls_7b_patch16_dinov3": 6716.04,
 }
+# timm 1.0.31 records model arguments (create_model's, and resizes) and its save_for_hf writes them.
+RECORDS_MODEL_ARGS = Version(timm.__version__) >= Version("1.0.31")
 TAGS = {
     "vit_ls_small_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
     "vit_ls_small_plus_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
@@ -209,7 +218,9 @@ def test_grad_checkpointing_gives_same_outputs_and_grads(images):
     out = model(images)
     out.sum().backward()
     assert max_diff(out, reference) == 0
-    assert all(torch.allclose(p.grad, grads[n], atol=1e-6) for n, p in model.named_parameters() if n in grads)
+    for name, param in model.named_parameters():
+        if name in grads:
+            assert_fp32_close(param.grad, grads[name], what=name)
 
 
 @pytest.mark.parametrize("grad_checkpointing, runs_per_block", [(False, 1), (True, 2)])
@@ -265,7 +276,7 @@ def test_sample_drop_adds_each_branch_to_a_subset_scaled_by_batch_over_kept(batc
     expected[index] += batch / kept * block.ls1(block.attn(block.norm1(x[index])))
     index = torch.randperm(batch)[:kept]
     expected[index] += batch / kept * block.ls2(block.mlp(block.norm2(expected[index])))
-    assert torch.allclose(out, expected, atol=1e-6)
+    assert_fp32_close(out, expected)
 
 
 def test_sample_drop_trains_under_autocast():
@@ -297,6 +308,28 @@ def test_masks_replace_patch_tokens(images):
     masks[:, 3] = True
     tokens = model.prepare_tokens(images, masks)
     assert torch.equal(tokens[:, 5 + 3], model.mask_token.expand(2, -1))
+
+
+AUGMENT = dict(shift_coords=0.2, jitter_coords=1.5, rescale_coords=2.0)
+
+
+@pytest.mark.parametrize("normalize_coords", ["separate", "max", "min"])
+@pytest.mark.parametrize("augment", [{}, dict(shift_coords=0.2), AUGMENT], ids=["none", "shift", "all"])
+def test_rope_matches_timms_dinov3_rope(normalize_coords, augment):
+    """timm's RotaryEmbeddingDinoV3 (DINOv3's coordinates, augmentations and draw order) on a 3x5 grid."""
+    coords = dict(normalize_coords=normalize_coords, **augment)
+    ours = RopeEmbedding(16, num_prefix_tokens=5, round_periods_to_bf16=False, **coords)
+    timms = RotaryEmbeddingDinoV3(16, temperature=100.0, **coords)
+    for training in (False, True):
+        ours.train(training), timms.train(training)
+        torch.manual_seed(0)
+        signed_sin, cos = ours(3, 5)
+        torch.manual_seed(0)
+        expected_sin, expected_cos = timms.get_embed(shape=[3, 5]).chunk(2, dim=-1)
+        assert not signed_sin[:5].any() and (cos[:5] == 1).all()  # the prefix tokens are not rotated
+        assert_fp32_close(signed_sin[5:, 8:], expected_sin[:, 8:])
+        assert_fp32_close(signed_sin[5:, :8], -expected_sin[:, :8])
+        assert_fp32_close(cos[5:], expected_cos)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -336,3 +369,92 @@ def test_default_periods_are_the_released_bf16_values():
     assert model.rope_embed.periods[-1].item() == 75.0  # 100 ** (60 / 64) = 74.99... rounds to 75 in bf16
     exact = timm.create_model("vit_ls_small_patch16_dinov3", depth=1, rope_periods_bf16=False)
     assert exact.rope_embed.periods[1].item() == pytest.approx(100 ** (4 / 64), rel=1e-7)
+
+
+# ------------------------------------------------------------------------------------------ set_input_size
+
+RESIZES = [dict(img_size=(64, 32)), dict(patch_size=8), dict(img_size=64, patch_size=(8, 8))]
+
+
+def resized_pair(tmp_path, ffn, dynamic):
+    """Ours (random, moved off init, fp32 RoPE periods as eva computes them) and eva from the same weights,
+    converted with `convert_checkpoint(..., to="timm")`, both at 48x80."""
+    size = dict(img_size=(48, 80), dynamic_img_size=dynamic)
+    ours = tiny(VARIANT[ffn], rope_periods_bf16=False, **size)
+    save_file(ours.state_dict(), tmp_path / "ours.safetensors")
+    convert_checkpoint(
+        tmp_path / "ours.safetensors", tmp_path / "eva", to="timm", model=VARIANT[ffn], model_kwargs=TINY
+    )
+    eva = timm.create_model(f"local-dir:{tmp_path / 'eva'}", pretrained=True, **size).eval()
+    assert type(eva).__name__ == "Eva" and eva.patch_embed.strict_img_size is not dynamic
+    return ours, eva
+
+
+def assert_same_outputs(ours, eva, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    tokens, expected = ours.forward_features(x), eva.forward_features(x)
+    assert tokens.shape == expected.shape
+    assert_fp32_close(tokens, expected)
+    pooled = ours.forward_head(tokens, pre_logits=True)
+    assert_fp32_close(pooled, eva.forward_head(expected, pre_logits=True))
+
+
+@pytest.mark.parametrize("ffn", ["mlp", "swiglu"])
+@pytest.mark.parametrize("resize", RESIZES, ids=["img_size", "patch_size", "both"])
+@torch.no_grad()
+def test_set_input_size_matches_timm_eva_on_a_fixed_size_model(tmp_path, ffn, resize):
+    ours, eva = resized_pair(tmp_path, ffn, dynamic=False)
+    assert_same_outputs(ours, eva, (2, 3, 48, 80))
+    ours.set_input_size(**resize)
+    eva.set_input_size(**resize)
+    assert torch.equal(ours.patch_embed.proj.weight, eva.patch_embed.proj.weight)  # resampled as timm does
+    height, width = eva.patch_embed.img_size
+    assert_same_outputs(ours, eva, (2, 3, height, width))
+    for model in (ours, eva):  # the fixed size moved: the old one is refused by both
+        with pytest.raises(AssertionError, match="doesn't match model"):
+            model.forward_features(torch.randn(1, 3, height + 16, width))
+    patch = ours.patch_size
+    assert patch == eva.patch_embed.patch_size[0] and ours.feature_info[-1]["reduction"] == patch
+    assert ours.config.patch_size == patch and ours.pretrained_cfg["input_size"] == (3, height, width)
+    config = timm.data.resolve_data_config(model=ours)
+    assert timm.data.create_transform(**config)(Image.new("RGB", (300, 200))).shape == (3, height, width)
+
+
+@pytest.mark.parametrize("resize", RESIZES[1:], ids=["patch_size", "both"])
+@torch.no_grad()
+def test_set_input_size_matches_timm_eva_on_a_dynamic_model(tmp_path, resize):
+    ours, eva = resized_pair(tmp_path, "mlp", dynamic=True)
+    ours.set_input_size(**resize)
+    eva.set_input_size(**resize)
+    for shape in [(2, 3, 48, 80), (1, 3, 32, 72)]:  # any multiple of the new patch size
+        assert_same_outputs(ours, eva, shape)
+
+
+@torch.no_grad()
+def test_a_resized_model_saves_and_rebuilds_resized(tmp_path):
+    model = tiny(dynamic_img_size=False, img_size=(48, 80))
+    model.set_input_size(img_size=(32, 64), patch_size=8)
+    x = torch.randn(2, 3, 32, 64)
+    save_native(model, tmp_path / "native")
+    again = timm.create_model(f"local-dir:{tmp_path / 'native'}", pretrained=True).eval()
+    assert again.patch_size == 8 and tuple(again.config.img_size) == (32, 64)
+    assert torch.equal(again(x), model(x))
+    if RECORDS_MODEL_ARGS:  # timm's own export records the resize
+        timm.models.save_for_hf(model, tmp_path / "timm")
+        args = json.loads((tmp_path / "timm" / "config.json").read_text())["model_args"]
+        assert args["patch_size"] == 8 and tuple(args["img_size"]) == (32, 64)
+        again = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
+        assert torch.equal(again(x), model(x))
+
+
+def test_set_input_size_refuses_bad_values_and_keeps_the_model():
+    model = tiny(dynamic_img_size=False, img_size=(48, 80))
+    before = model.patch_embed.proj.weight.clone()
+    with pytest.raises(ValueError, match="img_size"):
+        model.set_input_size(img_size=(50, 80))
+    with pytest.raises(ValueError, match="img_size"):  # 48x80 is no multiple of 20
+        model.set_input_size(patch_size=20)
+    with pytest.raises(ValueError, match="square patches"):
+        model.set_input_size(patch_size=(8, 16))
+    assert model.patch_size == 16 and model.config.img_size == (48, 80)
+    assert torch.equal(model.patch_embed.proj.weight, before) and model.patch_embed.img_size == (48, 80)

@@ -13,7 +13,7 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, move_off_init_
+from conftest import TINY, Exploit, mapped_ranges, move_off_init_
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import save_file
 from timm.models import save_for_hf
@@ -199,7 +199,7 @@ def test_transformers_hub_folder(tmp_path):
         assert (ckpt.kind, ckpt.weights, ckpt.files) == (
             "Hub folder",
             "the only weights set",
-            (tmp_path / "model.safetensors",),
+            (tmp_path / "model.safetensors", tmp_path / "config.json"),
         )
         assert ckpt.hub_config["model_type"] == "dinov3_vit" and ckpt.hub_config["hidden_size"] == 64
         # transformers 5 saves its `model.layer.N` blocks as `layer.N`, the Hub files' spelling
@@ -212,7 +212,10 @@ def test_timm_hub_folder_and_bin(tmp_path):
     save_for_hf(model, tmp_path / "bin", safe_serialization=False)
     for folder, weights in (("safetensors", "model.safetensors"), ("bin", "pytorch_model.bin")):
         with open_checkpoint(tmp_path / folder) as ckpt:
-            assert (ckpt.kind, ckpt.files) == ("Hub folder", (tmp_path / folder / weights,))
+            assert (ckpt.kind, ckpt.files) == (
+                "Hub folder",
+                (tmp_path / folder / weights, tmp_path / folder / "config.json"),
+            )
             assert ckpt.hub_config["architecture"] == "vit_small_patch16_dinov3"
             assert equal(model.state_dict(), ckpt)
 
@@ -285,7 +288,8 @@ def meta_run(tmp_path_factory):
 def test_meta_dcp_training_checkpoint(meta_run, weights, taken, values):
     assert sorted(p.name for p in meta_run["ckpt"].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     with open_checkpoint(meta_run["ckpt"], weights) as ckpt:
-        assert (ckpt.kind, ckpt.weights, ckpt.files) == ("distributed checkpoint", taken, (meta_run["ckpt"],))
+        files = tuple(meta_run["ckpt"] / name for name in (".metadata", "__0_0.distcp", "__1_0.distcp"))
+        assert (ckpt.kind, ckpt.weights, ckpt.files) == ("distributed checkpoint", taken, files)
         expected = meta_run[values]
         assert all(ckpt.info(k) == TensorInfo(v.shape, v.dtype) for k, v in expected.items())
         assert ckpt.nbytes == sum(v.nbytes for v in expected.values())
@@ -361,16 +365,6 @@ def test_dcp_reads_only_the_requested_key(meta_run, tmp_path):
             r"cls_token failed \(Unsupported operand 0\); copy the whole folder again$",
         ):
             ckpt["cls_token"]
-
-
-class Exploit:
-    """Unpickling this creates `marker`."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (str(self.marker), "w"))
 
 
 def test_dcp_never_unpickles_bytes_items(meta_run, tmp_path):
@@ -484,17 +478,6 @@ def test_safetensors_reads_are_views_of_the_mapped_file(tmp_path):
         tensor = ckpt["blocks.1.mlp.fc1.weight"]
         assert torch.equal(tensor, sd["blocks.1.mlp.fc1.weight"])
         assert any(tensor.data_ptr() in r for r in mapped_ranges(tmp_path / "model.safetensors"))
-
-
-def mapped_ranges(path) -> list[range]:
-    """Address ranges at which this process maps `path`."""
-    ranges = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *_, name = line.split(maxsplit=5)
-        if name.strip() == str(path):
-            start, end = (int(a, 16) for a in span.split("-"))
-            ranges.append(range(start, end))
-    return ranges
 
 
 def test_safetensors_files_too_large_to_map_are_read_tensor_by_tensor(tmp_path):

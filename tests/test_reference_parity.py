@@ -8,7 +8,16 @@ The references compute RoPE periods in fp32 without Meta's bf16 rounding, so our
 import pytest
 import timm
 import torch
-from conftest import EVA, TINY, VARIANT, max_diff, move_off_init_, transformers_reference
+from conftest import (
+    EVA,
+    TINY,
+    VARIANT,
+    assert_catches_swapped_gammas_and_dropped_biases,
+    assert_fp32_close,
+    max_diff,
+    move_off_init_,
+    transformers_reference,
+)
 from safetensors.torch import load_file, save_file
 from timm.models import load_checkpoint
 
@@ -36,8 +45,18 @@ def test_transformers_hub_file_matches(ffn, tmp_path, images):
     ref.save_pretrained(tmp_path)  # the layout of the files on the Hub
     model = ours_from_file(ffn, tmp_path / "model.safetensors")
     expected = ref(pixel_values=images).last_hidden_state
-    assert max_diff(model.forward_features(images), expected) <= 1e-5
-    assert max_diff(model(images), ref(pixel_values=images).pooler_output) <= 1e-5
+    assert_fp32_close(model.forward_features(images), expected)
+    assert_fp32_close(model(images), ref(pixel_values=images).pooler_output)
+
+
+@pytest.mark.parametrize("ffn", ["mlp", "swiglu"])
+@torch.no_grad()
+def test_the_parity_tolerance_still_fails_a_swapped_gamma_or_a_dropped_bias(ffn, tmp_path, images):
+    ref = transformers_reference(ffn)
+    ref.save_pretrained(tmp_path)
+    model = ours_from_file(ffn, tmp_path / "model.safetensors")
+    expected = ref(pixel_values=images).last_hidden_state
+    assert_catches_swapped_gammas_and_dropped_biases(model, lambda m: m.forward_features(images), expected)
 
 
 @pytest.mark.parametrize("prefix", ["layer.", "model.layer."])
@@ -48,7 +67,7 @@ def test_transformers_both_block_spellings_load(prefix, tmp_path, images):
     assert any(k.startswith(prefix) for k in state)
     save_file(state, tmp_path / "weights.safetensors")
     model = ours_from_file("mlp", tmp_path / "weights.safetensors")
-    assert max_diff(model.forward_features(images), ref(pixel_values=images).last_hidden_state) <= 1e-5
+    assert_fp32_close(model.forward_features(images), ref(pixel_values=images).last_hidden_state)
 
 
 @pytest.mark.parametrize("ffn", ["mlp", "swiglu"])
@@ -58,14 +77,9 @@ def test_timm_eva_file_matches(ffn, tmp_path, images):
     save_file(ref.state_dict(), tmp_path / "model.safetensors")
     model = ours_from_file(ffn, tmp_path / "model.safetensors")
     tokens = model.forward_features(images)
-    assert max_diff(tokens, ref.forward_features(images)) <= 1e-5
-    assert (
-        max_diff(
-            model.forward_head(tokens, pre_logits=True),
-            ref.forward_head(ref.forward_features(images), pre_logits=True),
-        )
-        <= 1e-5
-    )
+    assert_fp32_close(tokens, ref.forward_features(images))
+    pooled = ref.forward_head(ref.forward_features(images), pre_logits=True)
+    assert_fp32_close(model.forward_head(tokens, pre_logits=True), pooled)
 
 
 @torch.no_grad()
@@ -75,7 +89,7 @@ def test_timm_eva_file_without_qkv_bias_fills_zero_bias(tmp_path, images, ls_log
     save_file(ref.state_dict(), tmp_path / "model.safetensors")
     model = ours_from_file("swiglu", tmp_path / "model.safetensors")
     assert model.config.qkv_bias
-    assert max_diff(model.forward_features(images), ref.forward_features(images)) <= 1e-5
+    assert_fp32_close(model.forward_features(images), ref.forward_features(images))
     assert "zero qkv biases" in ls_log.text
 
 
@@ -86,7 +100,7 @@ def test_load_checkpoint_converts_without_a_filter(tmp_path, images):
     torch.save(ref.state_dict(), tmp_path / "eva.pth")
     model = timm.create_model(VARIANT["mlp"], rope_periods_bf16=False, **TINY).eval()
     load_checkpoint(model, str(tmp_path / "eva.pth"), strict=True)
-    assert max_diff(model.forward_features(images), ref.forward_features(images)) <= 1e-5
+    assert_fp32_close(model.forward_features(images), ref.forward_features(images))
 
 
 @torch.no_grad()

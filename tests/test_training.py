@@ -14,7 +14,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import TINY, max_diff, move_off_init_
+from conftest import TINY, assert_fp32_close, move_off_init_
 from PIL import Image
 from timm.data import create_dataset, create_loader
 from timm.loss import LabelSmoothingCrossEntropy
@@ -226,6 +226,7 @@ def test_torch_compile_traces_the_whole_model_with_gradients(images):
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
         model.zero_grad()
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
-    assert max_diff(compiled_loss, eager_loss) <= 1e-5
+    assert_fp32_close(compiled_loss, eager_loss)
     assert eager_grads.keys() == compiled_grads.keys()
-    assert all(max_diff(compiled_grads[n], g) <= 1e-5 for n, g in eager_grads.items())
+    for name, grad in eager_grads.items():
+        assert_fp32_close(compiled_grads[name], grad, what=name)

@@ -15,7 +15,7 @@ from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve
 from .convert import convert_checkpoint
 from .export import export_onnx
 from .fsdp import shard_model
-from .hub import HubError, hub_weights
+from .hub import HubError, fetch_hub_weights, hub_weights
 from .loading import load_pretrained as _installs_the_pretrained_loader  # noqa: F401
 from .model import VisionTransformerLS
 from .publish import push_to_hub, save_for_hub, save_native
@@ -35,6 +35,7 @@ __all__ = [
     "convert_checkpoint",
     "convert_state_dict",
     "export_onnx",
+    "fetch_hub_weights",
     "fold_layer_scale",
     "hub_weights",
     "open_checkpoint",

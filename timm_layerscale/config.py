@@ -109,6 +109,14 @@ class VitLsConfig:
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.field_names()}
 
+    def rebuild_args(self) -> dict[str, Any]:
+        """Every field as a saved config's `model_args`: LayerScale off is written as 0, because timm drops
+        keyword arguments whose value is None."""
+        args = self.to_dict()
+        if args["init_values"] is None:
+            args["init_values"] = 0
+        return args
+
     @property
     def head_dim(self) -> int:
         return self.embed_dim // self.num_heads

@@ -12,6 +12,7 @@ import difflib
 import functools
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -23,12 +24,13 @@ from typing import Any
 import torch
 from timm.models import get_pretrained_cfg
 
+from .checkpoints.dcp_writer import write_dcp
 from .checkpoints.errors import CheckpointError
-from .checkpoints.fit import fit_to_model
-from .checkpoints.layer_scale import GAMMA_KEY
-from .checkpoints.layouts import detect_layout, effective_qkv_bias
-from .checkpoints.plan import Plan, cast_plan
-from .checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
+from .checkpoints.fit import Fitted, fit_to_model
+from .checkpoints.gamma_keys import NATIVE_GAMMA_KEY
+from .checkpoints.layouts import META, detect_layout, effective_qkv_bias, layout_title
+from .checkpoints.plan import Plan, cast_plan, info_of, passthrough
+from .checkpoints.reader import ONLY_SET, LazyCheckpoint, TensorInfo, open_checkpoint
 from .checkpoints.targets import (
     CONFIG_FILE,
     EVA_ARCHITECTURES,
@@ -36,6 +38,7 @@ from .checkpoints.targets import (
     TARGETS,
     UNHELD_NOTES,
     WEIGHTS_FILE,
+    Target,
     eva_config,
     transformers_config,
     unheld_groups,
@@ -51,6 +54,7 @@ from .checkpoints.writers import (
     write_torch_file,
 )
 from .config import VitLsConfig, resolve_init_values
+from .meta_heads import DEFAULT_HEADS, RELEASED_HEADS, MetaHeads, heads_from_config, heads_of, meta_yaml, new_heads
 from .model import VisionTransformerLS
 from .variants import VARIANTS, builtin_architecture, load_variant
 
@@ -62,6 +66,9 @@ PROGRESS_MIN_BYTES = 256 << 20  # a bar for conversions at least this large (whe
 TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 # Keys a file may lack that fitting fills, so they say nothing about which variant it is.
 _FILLABLE = ("attn.qkv.bias_mask", PERIODS, "mask_token")
+
+
+MAX_LISTED = 80  # characters of model arguments the summary line lists; `model_args` has them all
 
 
 @dataclass
@@ -93,13 +100,19 @@ class Conversion:
     not_held: list[str]
     report: list[str]
     warnings: list[str]
+    keys: str = ""  # the source's keys as users name them: "Meta DINOv3 keys"
+    model_args: dict[str, Any] = field(default_factory=dict)  # the full config of the model written
+    notes: list[str] = field(default_factory=list)  # the target's own, e.g. meta-train's heads and dtype
+    meta_yaml: str | None = None  # meta-train: the lines of Meta's training YAML that use the checkpoint
 
     def summary(self) -> str:
         held = f"; not held by {self.target}: {', '.join(self.not_held)}" if self.not_held else ""
+        notes = "".join(f"; {note}" for note in self.notes)
         return (
-            f"converted {self.source} ({self.kind}, {self.layout} layout, weights: {self.weights}) to {self.target} "
+            f"converted {self.source} ({self.kind}, {self.keys or self.layout}, weights: {self.weights}) to "
+            f"{self.target} "
             f"{self.destination}: {self.variant} ({self.reason}), {self.tensors} tensors, "
-            f"{_size(self.nbytes)}, {self.seconds:.1f} s{held}"
+            f"{_size(self.nbytes)}, {self.seconds:.1f} s{notes}{held}"
         )
 
 
@@ -109,7 +122,7 @@ def convert_checkpoint(
     to: str = "native",
     model: str | None = None,
     model_kwargs: Mapping[str, Any] | None = None,
-    dtype: str = "keep",
+    dtype: str | None = None,
     weights: str = "auto",
     fuse_layerscale: bool = False,
     overwrite: bool = False,
@@ -117,58 +130,48 @@ def convert_checkpoint(
     *,
     max_shard_size: int | str = "5GB",
     progress: bool | None = None,
+    meta_config: str | Path | None = None,
+    seed: int = 0,
+    distill_teacher: bool = False,
 ) -> Conversion:
-    """Converts a checkpoint to `to` ("native", "meta", "hf" or "timm") at `dst`, tensor by tensor.
+    """Converts a checkpoint to `to` ("native", "meta", "meta-train", "hf" or "timm") at `dst`, tensor by tensor.
 
     `model` is a variant name (`NAME` or `NAME.TAG`) or a variant YAML file; without it the variant is
     inferred from the shapes (and the Hub config.json of a folder). `model_kwargs` override its args.
-    `dtype` ("keep", "fp32", "bf16", "fp16") casts the weights, RoPE periods excepted. `weights` picks
+    `dtype` ("keep", "fp32", "bf16", "fp16") casts the weights, RoPE periods excepted; None is "keep", and
+    "fp32" for meta-train (Meta's trainer keeps fp32 masters). `weights` picks
     the EMA/teacher ("ema") or trained ("raw") set, "auto" the EMA one where there is one.
     `fuse_layerscale` folds every gamma into the projection before it. `strict` turns warnings (NaN or
     Inf gammas, outputs the target cannot reproduce) into errors. `dst` is replaced only with `overwrite`;
     on any error nothing is left behind. Raises `CheckpointError` (or `ValueError`) for bad input.
+
+    "meta-train" writes what Meta's DINOv3 trainer loads (`student.resume_from_teacher_chkpt`, `gram.ckpt`,
+    `distillation.checkpoint_path`): `dst` ending in `.pth` is `{"teacher": state_dict}`, `dst` without a
+    suffix a torch.distributed.checkpoint folder (`iteration` and `model.*`), keys `backbone.*`,
+    `dino_head.*`, `ibot_head.*`. The source's heads are carried; without them new heads are made as Meta's
+    DINOHead makes them from `seed`, sized by `meta_config` (Meta's training YAML, merged over its defaults),
+    else as Meta trained the released models (their shapes) or by Meta's defaults. `distill_teacher` says the
+    checkpoint will be a distillation teacher: new heads are then a warning (an error with `strict`).
     """
     start = time.perf_counter()
-    target = TARGETS.get(to)
-    if target is None:
-        raise CheckpointError(f"unknown target {to!r}; pass --to one of {', '.join(TARGETS)}")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join(DTYPES)}")
-    if weights not in WEIGHTS:
-        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
     dst = Path(dst)
-    if target.name == "meta" and dst.suffix not in (*TORCH_SUFFIXES, ".safetensors"):
-        raise CheckpointError(f"--to meta writes one file: name it .pth or .safetensors (got {dst.name})")
-    if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
-    _refuse_to_replace_source(src, dst)
-
-    with _opened(src, weights) as ckpt:
+    if dtype is None:
+        dtype = "fp32" if to == "meta-train" else "keep"
+    target = _checked_request(src, dst, to, dtype, weights, overwrite)
+    heads_config = heads_from_config(meta_config) if meta_config is not None and to == "meta-train" else None
+    with _opened(src, weights, heads=to == "meta-train") as ckpt:
+        _refuse_to_replace_source(ckpt, dst)
+        _refuse_without_backbone(ckpt)
         layout = detect_layout(ckpt)
         native = layout.to_native(ckpt)
         resolved = resolve_model(native, model, dict(model_kwargs or {}), ckpt.hub_config, fuse_layerscale)
-        cast = DTYPES[dtype]
-        fill_dtype = cast or dominant_dtype(native)
-        fitted = fit_to_model(
-            native,
-            expected_state(resolved.config),
-            layout=layout.name,
-            model_name=resolved.name,
-            config=resolved.config,
-            fill_dtype=fill_dtype,
-        )
-        tensors = cast_plan(fitted.plan, cast, keep=[PERIODS])
-        export = _export(target.name, tensors, resolved, fill_dtype, dst, max_shard_size)
+        heads = _Heads(ckpt, heads_config, seed, distill_teacher) if target.name == "meta-train" else None
+        keys_title = layout_title(layout, ckpt)
+        fitted, export = _planned(native, keys_title, resolved, target.name, DTYPES[dtype], dst, max_shard_size, heads)
         warnings = fitted.warnings + export.warnings
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
-        total = export.tensors.nbytes
-        show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
-        with (
-            _progress_bar(total, f"{to} {dst.name}", show) as bar,
-            atomic_destination(dst, overwrite, folder=target.folder) as tmp,
-        ):
-            export.write(tmp, bar)
+        _write(export, dst, target, overwrite, progress)
         return Conversion(
             source=str(src) if isinstance(src, (str, Path)) else str(ckpt.path),
             kind=ckpt.kind,
@@ -179,31 +182,109 @@ def convert_checkpoint(
             variant=resolved.name + (f".{resolved.tag}" if resolved.tag else ""),
             reason=resolved.reason,
             tensors=len(export.tensors),
-            nbytes=total,
+            nbytes=export.tensors.nbytes,
             seconds=time.perf_counter() - start,
             not_held=export.not_held,
             report=fitted.report(),
             warnings=warnings,
+            keys=keys_title,
+            model_args=resolved.config.to_dict(),
+            notes=export.notes,
+            meta_yaml=export.meta_yaml,
         )
 
 
+def _checked_request(src: Any, dst: Path, to: str, dtype: str, weights: str, overwrite: bool) -> Target:
+    """The target, once every argument is known good and the destination is free (or may be replaced)."""
+    target = TARGETS.get(to)
+    if target is None:
+        raise CheckpointError(f"unknown target {to!r}; pass --to one of {', '.join(TARGETS)}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join(DTYPES)}")
+    if weights not in WEIGHTS:
+        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
+    if target.name == "meta" and dst.suffix not in (*TORCH_SUFFIXES, ".safetensors"):
+        raise CheckpointError(f"--to meta writes one file: name it .pth or .safetensors (got {dst.name})")
+    if target.name == "meta-train" and dst.suffix not in ("", ".pth"):
+        raise CheckpointError(
+            f"--to meta-train writes a .pth file or a distributed checkpoint folder: name it .pth or give a folder "
+            f"name without a suffix (got {dst.name})"
+        )
+    if dst.exists() and not overwrite:
+        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
+    return target
+
+
+def _planned(
+    native: Plan,
+    layout: str,
+    resolved: ResolvedModel,
+    to: str,
+    cast: torch.dtype | None,
+    dst: Path,
+    max_shard_size: int | str,
+    heads: _Heads | None = None,
+) -> tuple[Fitted, _Export]:
+    """The checkpoint fitted to its model, cast, and mapped to the target's keys: all planned, nothing read."""
+    fill_dtype = cast or dominant_dtype(native)
+    fitted = fit_to_model(
+        native,
+        expected_state(resolved.config),
+        layout=layout,
+        model_name=resolved.name,
+        config=resolved.config,
+        fill_dtype=fill_dtype,
+    )
+    tensors = cast_plan(fitted.plan, cast, keep=[PERIODS])
+    if heads is not None:
+        return fitted, _export_meta_train(tensors, resolved, fill_dtype, cast, heads, dst)
+    return fitted, _export(to, tensors, resolved, fill_dtype, dst, max_shard_size)
+
+
+def _write(export: _Export, dst: Path, target: Target, overwrite: bool, progress: bool | None) -> None:
+    """The target's files into a temporary name, renamed to `dst` when complete."""
+    total = export.tensors.nbytes
+    show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    folder = target.folder if target.name != "meta-train" else not dst.suffix  # meta-train: .pth or a folder
+    with (
+        _progress_bar(total, f"{target.name} {dst.name}", show) as bar,
+        atomic_destination(dst, overwrite, folder=folder) as tmp,
+    ):
+        export.write(tmp, bar)
+
+
 @contextmanager
-def _opened(src: Any, weights: str) -> Iterator[LazyCheckpoint]:
+def _opened(src: Any, weights: str, heads: bool) -> Iterator[LazyCheckpoint]:
     if isinstance(src, LazyCheckpoint):
+        if heads and src.heads is None:
+            raise ValueError("meta-train carries the source's heads: open it with open_checkpoint(..., heads=True)")
         yield src
         return
-    with open_checkpoint(src, weights) as ckpt:
+    with open_checkpoint(src, weights, heads=heads) as ckpt:
         yield ckpt
 
 
-def _refuse_to_replace_source(src: Any, dst: Path) -> None:
-    if isinstance(src, LazyCheckpoint):
-        src = src.path
-    if not isinstance(src, (str, Path)):
-        return
-    source, destination = Path(src).resolve(), dst.resolve()
-    if source == destination or destination in source.parents:
-        raise CheckpointError(f"{dst} would replace the source {src}; choose another destination")
+def _refuse_without_backbone(ckpt: LazyCheckpoint) -> None:
+    if not len(ckpt):
+        parts = f" (only {', '.join(sorted({k.split('.')[0] for k in ckpt.heads}))})" if ckpt.heads else ""
+        raise CheckpointError(f"{ckpt.path} holds no backbone{parts}; pass a checkpoint with the backbone's weights")
+
+
+def _refuse_to_replace_source(ckpt: LazyCheckpoint, dst: Path) -> None:
+    """Refuses a destination whose writing replaces a file the source reads: DST, or any file under a DST
+    folder, that is one of them by device and inode (so also under another name, a symlink or a hard link)."""
+    read = {_identity(path): path for path in ckpt.files}
+    replaced = [dst, *(Path(parent, name) for parent, _, names in sorted(os.walk(dst)) for name in sorted(names))]
+    for path in replaced:
+        source = read.get(_identity(path)) if path.exists() else None
+        if source is not None:
+            same = f" ({path} is the same file)" if path != dst and path.resolve() != source.resolve() else ""
+            raise CheckpointError(f"{dst} would replace the source file {source}{same}; choose another destination")
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino
 
 
 @contextmanager
@@ -244,6 +325,8 @@ class _Export:
     write: Callable[[Path, Progress | None], None]  # into the temporary destination
     not_held: list[str]
     warnings: list[str]
+    notes: list[str] = field(default_factory=list)
+    meta_yaml: str | None = None
 
 
 def _export(
@@ -317,6 +400,130 @@ def _bias_parts(tensors: Mapping[str, Tensor], depth: int) -> tuple[bool, list[i
     return qv, k_blocks
 
 
+# ---------------------------------------------------------------------------------------- meta-train
+
+META_TRAIN_DCP_ITEMS = {"iteration": 0}  # Meta's save_checkpoint writes the iteration beside `model`
+# Why Meta's DINOv3 trainer cannot hold a part of the backbone: warnings (errors with strict).
+HEAD_NOTE = "no classifier in Meta's backbone"
+WARM_UP = (
+    "new heads on a trained backbone: warm them up with the backbone frozen before joint training "
+    "(fresh heads trained jointly from the start can wreck the features)"
+)
+
+
+@dataclass
+class _Heads:
+    """What meta-train needs to know about the heads: the source's, the config's sizes, the seed, the use."""
+
+    source: LazyCheckpoint
+    config: MetaHeads | None
+    seed: int
+    distill_teacher: bool
+
+
+def _joined(parts: Mapping[str, Mapping[str, Tensor]]) -> LazyCheckpoint:
+    """Lazy mappings (plans, checkpoints) as one, each under its prefix; a tensor is read only when asked."""
+    where = {prefix + key: (part, key) for prefix, part in parts.items() for key in part}
+    infos = {key: info_of(part, inner) for key, (part, inner) in where.items()}
+    return LazyCheckpoint(Path("joined"), "joined", ONLY_SET, infos, lambda key: where[key][0][where[key][1]])
+
+
+def released_shape(resolved: ResolvedModel) -> bool:
+    """Whether the model has the shapes of a released DINOv3: a shipped variant (each is one), shapes unchanged."""
+    variant = VARIANTS.get(resolved.name)
+    if variant is None:
+        return False
+    base, config = variant.config, resolved.config
+    shape = ("embed_dim", "depth", "num_heads", "patch_size", "ffn_layer", "ffn_ratio", "swiglu_align_to")
+    return all(getattr(base, name) == getattr(config, name) for name in shape)
+
+
+def _layer_scale_limits(config: VitLsConfig) -> tuple[bool, list[str]]:
+    """Whether Meta's blocks get gammas, and what of this model's LayerScale Meta's single init value cannot hold."""
+    pairs = config.layer_init_values
+    values = {v for pair in pairs for v in pair if v}
+    off = [f"{i}.{branch}" for i, pair in enumerate(pairs) for branch, v in zip(("attn", "mlp"), pair) if not v]
+    if not values:
+        return False, []  # LayerScale off everywhere: Meta's blocks use an identity (student.layerscale: null)
+    limits = []
+    if off:
+        shown = ", ".join(off[:6]) + (f" (+{len(off) - 6})" if len(off) > 6 else "")
+        limits.append(
+            f"LayerScale off in some branches only ({shown}): Meta's blocks all have it, gammas of 1 are written"
+        )
+    if len(values) > 1:
+        limits.append(
+            f"LayerScale init values per branch ({', '.join(f'{v:g}' for v in sorted(values))}): Meta's "
+            f"student.layerscale is one value"
+        )
+    return True, limits
+
+
+def _export_meta_train(
+    tensors: Plan,
+    resolved: ResolvedModel,
+    fill_dtype: torch.dtype,
+    cast: torch.dtype | None,
+    heads: _Heads,
+    dst: Path,
+) -> _Export:
+    """Meta's trainer's keys: `backbone.` + Meta's backbone keys, and the carried or new heads."""
+    config = resolved.config
+    layer_scale, limits = _layer_scale_limits(config)
+    full = with_all_gammas(tensors, config.depth, config.embed_dim, fill_dtype) if layer_scale else tensors
+    backbone, unheld = META.from_native(full)
+    groups = unheld_groups(unheld)
+    not_held = [HEAD_NOTE if g == "head" else f"{g} ({UNHELD_NOTES[g]})" if g in UNHELD_NOTES else g for g in groups]
+    warnings = [f"meta-train cannot hold {g}: {UNHELD_NOTES[g]}" for g in groups if g in (*OUTPUT_CHANGING, "head")]
+    not_held += limits
+    warnings += [f"meta-train cannot hold {limit}" for limit in limits]
+
+    source = heads.source.heads or {}
+    if source:
+        sizes = heads_of({k: source.info(k) for k in source}, config.embed_dim, str(heads.source.path))
+        if heads.config is not None and heads.config.infos(config.embed_dim, fill_dtype) != sizes.infos(
+            config.embed_dim, fill_dtype
+        ):
+            raise CheckpointError(
+                f"the source's heads are {sizes.describe()}, the --meta-config's {heads.config.describe()}: Meta's "
+                f"strict load (and distillation, whose prototype counts must match) would refuse them; set the "
+                f"config's dino:/ibot: head sizes to the source's"
+            )
+        made: Mapping[str, Tensor] = source
+        notes = [f"heads carried: {sizes.describe()}"]
+    else:
+        sizes = heads.config or (RELEASED_HEADS if released_shape(resolved) else DEFAULT_HEADS)
+        made = new_heads(sizes, config.embed_dim, heads.seed)
+        why = "--meta-config" if heads.config else "as released" if sizes is RELEASED_HEADS else "Meta's defaults"
+        notes = [f"heads new (seed {heads.seed}, {why}): {sizes.describe()}; {WARM_UP}"]
+        if heads.distill_teacher:
+            warnings.append(
+                "a distillation teacher needs trained heads: this source has none, so its new heads teach random "
+                "prototypes; train them first (continued pretraining with the backbone frozen), or convert a "
+                "checkpoint that carries them"
+            )
+    # Carried heads keep their dtype unless cast; new ones are made in the backbone's (with "keep": its fills').
+    head_plan = cast_plan(Plan(made, passthrough(made)), cast if source else cast or fill_dtype)
+    out = _joined({"backbone.": backbone, "": head_plan})
+    plan = Plan(out, passthrough(out))
+    floating = {plan.info(k).dtype for k in plan if plan.info(k).dtype.is_floating_point and not k.endswith(PERIODS)}
+    dtypes = sorted(str(dtype).removeprefix("torch.") for dtype in floating)
+    notes.append(f"written in {'/'.join(dtypes)}")
+    bias_mask = any(k.endswith("attn.qkv.bias_mask") for k in backbone)
+    yaml_lines = meta_yaml(dst.resolve(), sizes, config, layer_scale, bias_mask)
+
+    if dst.suffix:
+
+        def write(tmp: Path, bar: Progress | None) -> None:
+            write_torch_file(tmp, plan, progress=bar, under="teacher")
+    else:
+
+        def write(tmp: Path, bar: Progress | None) -> None:
+            write_dcp(tmp, plan, "model", META_TRAIN_DCP_ITEMS, progress=bar)
+
+    return _Export(plan, write, not_held, warnings, notes, yaml_lines)
+
+
 # ------------------------------------------------------------------------------------------ the model
 
 
@@ -364,11 +571,11 @@ def _differences(infos: Mapping[str, TensorInfo], expected: Mapping[str, Tensor]
         if key in infos and infos[key].shape != target.shape:
             found.append(f"{key} is {list(infos[key].shape)} in the checkpoint but {list(target.shape)} in {name}")
             distance += abs(math.log(max(infos[key].shape.numel(), 1) / max(target.shape.numel(), 1)))
-        elif key not in infos and not key.endswith(_FILLABLE) and not GAMMA_KEY.match(key):
+        elif key not in infos and not key.endswith(_FILLABLE) and not NATIVE_GAMMA_KEY.match(key):
             found.append(f"{name} has {key} {list(target.shape)} and the checkpoint does not")
             distance += 1
     for key in infos:
-        if key not in expected and not key.startswith(("local_cls_norm.", "head.")) and not GAMMA_KEY.match(key):
+        if key not in expected and not key.startswith(("local_cls_norm.", "head.")) and not NATIVE_GAMMA_KEY.match(key):
             found.append(f"the checkpoint has {key} {list(infos[key].shape)} and {name} does not")
             distance += 1
     return found, distance
@@ -433,8 +640,9 @@ def resolve_model(
             f"pass --model NAME and --model-kwargs for what differs (e.g. embed_dim=... depth=... num_heads=...)"
         )
     pretrained = hub_pretrained or _pretrained_cfg(name, tag)
-    if overrides:
-        reason += ", with " + " ".join(f"{k}={v}" for k, v in overrides.items())
+    listed = " ".join(f"{k}={v}" for k, v in overrides.items())
+    if overrides:  # a config.json's every argument would make the summary line a paragraph: counted instead
+        reason += f", with {listed}" if len(listed) <= MAX_LISTED else f", with {len(overrides)} model arguments"
     return ResolvedModel(name, tag, config, reason, pretrained)
 
 

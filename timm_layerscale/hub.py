@@ -10,6 +10,7 @@ Range requests); its partial `.incomplete` file is removed when they fail and is
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from .checkpoints.reader import read_index
 from .checkpoints.targets import WEIGHTS_FILE
 from .variants import VARIANTS
 
-__all__ = ["OFFICIAL_SUFFIX", "HubError", "hub_weights"]
+__all__ = ["OFFICIAL_SUFFIX", "HubError", "HubWeights", "fetch_hub_weights", "hub_weights", "unreachable_reason"]
 
 # A repo's weights, in the order tried when the cfg names no file: one file, else a sharded index.
 WEIGHT_FILES = (WEIGHTS_FILE, f"{WEIGHTS_FILE}.index.json")
@@ -39,7 +40,41 @@ OFFICIAL_SUFFIX = "_facebook"
 
 
 class HubError(CheckpointError):
-    """Hub weights that cannot be had; the message names the problem and the fix in one line."""
+    """Hub weights that cannot be had; the message names the problem and the fix in one line.
+
+    `unreachable` says why the Hub could not be asked (see `unreachable_reason`) when that is the problem
+    and nothing was cached; it is None when the Hub answered (gated, missing, HTTP errors).
+    """
+
+    def __init__(self, message: str, unreachable: str | None = None) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+@dataclass(frozen=True)
+class HubWeights:
+    """Local weights of a Hub repo and where they came from."""
+
+    path: Path  # a weights file, or a sharded repo's index with its shards beside it
+    origin: str  # `Hub org/name[@revision]`, plus ` from the local cache (why)` when the Hub was not asked
+
+
+def unreachable_reason(exc: BaseException | None) -> str | None:
+    """Why the Hub could not be asked, when it could not: `HF_HUB_OFFLINE is set`, or the connection error
+    in `exc`'s chain (`ENDPOINT: Error: message`). None when the Hub answered (any HTTP status) or `exc` is
+    no connection error."""
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    chain = []
+    while exc is not None and len(chain) < 8:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    network = (LocalEntryNotFoundError, ConnectionError, TimeoutError)
+    if any(isinstance(e, HfHubHTTPError) for e in chain) or not any(
+        isinstance(e, network) or any(c.__name__ == "TransportError" for c in type(e).__mro__) for e in chain
+    ):
+        return None
+    return f"{constants.ENDPOINT}: {type(chain[-1]).__name__}: {reason(chain[-1])}"
 
 
 def _hub_source(source: str | Mapping[str, Any] | PretrainedCfg) -> tuple[str, str | None, str | None, str]:
@@ -111,6 +146,13 @@ def _from_cache(
     return path
 
 
+def _cache_origin(exc: BaseException) -> str:
+    """Why cached weights were taken without asking the Hub."""
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None:
+        return f"the Hub answered HTTP {exc.response.status_code}"
+    return f"the Hub is not reachable: {unreachable_reason(exc) or reason(exc)}"
+
+
 def _not_cached(
     repo_id: str, filenames: tuple[str, ...], exc: BaseException, cache_dir: str | Path | None = None
 ) -> HubError:
@@ -127,11 +169,19 @@ def _not_cached(
         fix = "check the connection, or download them once where the Hub is reachable"
     return HubError(
         f"{why}, and the weights of {repo_id} ({' or '.join(filenames)}) are not in the local cache {cache}; {fix}, "
-        f"or pass pretrained_cfg_overlay=dict(file=PATH)"
+        f"or pass pretrained_cfg_overlay=dict(file=PATH)",
+        unreachable=None if isinstance(exc, HfHubHTTPError) else unreachable_reason(exc) or reason(exc),
     )
 
 
 def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: str | Path | None = None) -> Path:
+    """The local path of the weights that `source` names on the Hub: `fetch_hub_weights(...).path`."""
+    return fetch_hub_weights(source, cache_dir=cache_dir).path
+
+
+def fetch_hub_weights(
+    source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: str | Path | None = None
+) -> HubWeights:
     """The local path of the weights that `source` names on the Hub, downloading what the cache lacks.
 
     `source` is a pretrained cfg (a mapping or timm's `PretrainedCfg`, as a tag or an `hf-hub:` name gives
@@ -139,9 +189,10 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
     (`org/name[@revision]`, `hf-hub:` prefix allowed). Without a file name the repo's `model.safetensors`
     is taken, else its `model.safetensors.index.json`.
 
-    Returns a weights file, or for a sharded repo its index, with every shard downloaded beside it
-    (`checkpoints.open_checkpoint` reads either). Files come from huggingface_hub's cache when there
-    (offline too, `HF_HUB_OFFLINE=1`), else are downloaded into it; `cache_dir` overrides the cache folder.
+    Returns the path and where it came from: a weights file, or for a sharded repo its index, with every
+    shard downloaded beside it (`checkpoints.open_checkpoint` reads either). Files come from huggingface_hub's
+    cache when there (offline too, `HF_HUB_OFFLINE=1`), else are downloaded into it; `cache_dir` overrides the
+    cache folder.
 
     Raises `HubError` (a `CheckpointError`) with one line: a gated repo without access (how to get it, and
     the ungated tag with the same weights), a missing repo, revision or file, a download cut short, or no
@@ -149,6 +200,7 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
     """
     repo_id, revision, filename, ungated = _hub_source(source)
     candidates = (filename,) if filename else WEIGHT_FILES
+    origin = f"Hub {repo_id}" + (f"@{revision}" if revision else "")
     path = None
     for name in candidates:
         try:  # one quick look first (none offline): huggingface_hub's download retries a lost Hub for ~25 s
@@ -159,9 +211,11 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
             if exc.response is None or exc.response.status_code < 500:
                 raise _no_download(repo_id, name, revision, ungated, exc) from exc
             path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
+            origin += f" from the local cache ({_cache_origin(exc)})"
             break
         except Exception as exc:  # offline or no Hub: what the cache has, under whichever name
             path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
+            origin += f" from the local cache ({_cache_origin(exc)})"
             break
         try:
             path = _download(repo_id, name, revision, cache_dir)
@@ -175,7 +229,7 @@ def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: s
         )
     if path.name.endswith(".index.json"):
         _download_shards(repo_id, path, cache_dir, ungated)
-    return path
+    return HubWeights(path, origin)
 
 
 def _download_shards(repo_id: str, index: Path, cache_dir: str | Path | None, ungated: str) -> None:

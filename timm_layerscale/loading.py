@@ -137,7 +137,7 @@ def load_pretrained(
                 _assign(model, key, value)
                 progress.update(fitted.plan.info(key).nbytes)
         fitted.plan.release()
-    log_report(fitted.report(f"loaded a {fitted.layout} checkpoint"))
+    log_report(fitted.report(f"loaded a checkpoint with {fitted.layout}"))
     return model
 
 

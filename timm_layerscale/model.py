@@ -16,6 +16,11 @@ from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+try:  # timm 1.0.31 records a resize for its exports (save_for_hf); older timms record model args nowhere
+    from timm.models._input import update_model_input_size
+except ImportError:
+    update_model_input_size = None
+
 from .checkpoints.load_hook import install_load_hook
 from .config import TRAINING_SWITCHES, VitLsConfig
 from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
@@ -23,7 +28,10 @@ from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-@register_notrace_function  # FX records one call: the checks need the image size as numbers
+# One call in every FX graph (torch.fx.wrap for any tracer, timm's list for timm's): the checks need the
+# image size as numbers, known only at run time, so a traced graph checks and works at any size.
+@torch.fx.wrap
+@register_notrace_function
 def patch_grid(image: torch.Tensor, patch_size: int, pad: bool) -> tuple[int, int]:
     """Patches per side of `image`, padded up when `pad`, else an error for a side that is not a multiple."""
     height, width = image.shape[-2], image.shape[-1]
@@ -213,6 +221,42 @@ class VisionTransformerLS(nn.Module):
         self.num_classes = num_classes
         with torch.device(self.cls_token.device):
             self.head = self._make_head(num_classes).to(dtype=self.cls_token.dtype).train(self.training)
+
+    @torch.jit.ignore
+    def set_input_size(
+        self, img_size: int | tuple[int, int] | None = None, patch_size: int | tuple[int, int] | None = None
+    ) -> None:
+        """timm's resize (as eva's): a new input resolution, a new patch size, or both.
+
+        A new patch size resamples the patch embedding as timm's `resample_patch_embed` does; RoPE follows
+        the new grid (it is computed from the grid at every forward). The config, the args timm records and
+        the pretrained cfg's `input_size` follow, so a later save (`save_native`, timm's `save_for_hf`)
+        rebuilds the resized model. Bad values raise a `ValueError` and leave the model unchanged.
+        """
+        if patch_size is not None and not isinstance(patch_size, int):
+            sides = tuple(patch_size)
+            if len(sides) != 2 or sides[0] != sides[1]:
+                raise ValueError(f"patch_size: got {patch_size!r}; allowed: a positive integer (square patches)")
+            patch_size = sides[0]
+        if img_size is not None and not isinstance(img_size, int):
+            img_size = tuple(img_size)
+        config = self.config.replace(  # validates: the size fits the patch size, unless dynamic_img_pad
+            img_size=self.config.img_size if img_size is None else img_size,
+            patch_size=self.patch_size if patch_size is None else patch_size,
+        )
+        self.patch_embed.set_input_size(img_size=config.img_size, patch_size=config.patch_size)
+        self.config = config
+        self.patch_size = config.patch_size
+        for info in self.feature_info:
+            info["reduction"] = config.patch_size
+        height, width = self.patch_embed.img_size
+        if update_model_input_size is not None:
+            update_model_input_size(self, (height, width), patch_size=config.patch_size)
+        else:
+            self._model_args = {**self._model_args, "img_size": (height, width), "patch_size": config.patch_size}
+        if getattr(self, "pretrained_cfg", None):
+            channels = (self.pretrained_cfg.get("input_size") or (self.in_chans,))[0]
+            self.pretrained_cfg = self.default_cfg = {**self.pretrained_cfg, "input_size": (channels, height, width)}
 
     # ------------------------------------------------------------------------------------------ forward
 

@@ -8,6 +8,7 @@ file the same way; `base:` starts from a registered variant.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
@@ -36,6 +37,9 @@ TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
 PretrainedLoader = Callable[..., VisionTransformerLS]
 _pretrained_loader: PretrainedLoader | None = None
 FEATURE_BLOCKS = 4  # features_only returns the last four blocks (or all, if fewer) unless out_indices says
+# timm 1.0.31 records a model's arguments (`model._model_args`) and its save_for_hf / push_to_hf_hub write
+# them; older timms write only the architecture, which must then stay the name that rebuilds the model.
+TIMM_RECORDS_MODEL_ARGS = importlib.util.find_spec("timm.models._input") is not None
 
 
 def config_dir() -> Path:
@@ -148,13 +152,25 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
         if _pretrained_loader is None:
             raise RuntimeError("pretrained loading is not installed: import timm_layerscale, not only its registry")
         model_cls = partial(_pretrained_loader, cfg.to_dict(), kwargs.get("cache_dir"))
-    return build_model_with_cfg(
+    model = build_model_with_cfg(
         model_cls,
         variant.name,
         False,
         feature_cfg=dict(feature_cls="getter", out_indices=min(FEATURE_BLOCKS, config.depth)),
         **model_kwargs,
     )
+    if TIMM_RECORDS_MODEL_ARGS and not _is_shipped(variant) and isinstance(model, VisionTransformerLS):
+        _record_rebuild(model, variant)
+    return model
+
+
+def _record_rebuild(model: VisionTransformerLS, variant: Variant) -> None:
+    """A model of a user's own YAML variant names a shipped architecture and records every argument, so that
+    timm's save_for_hf / push_to_hf_hub publish a model that rebuilds where the YAML was never registered
+    (timm's create_model adds the caller's arguments on top when this returns)."""
+    architecture = builtin_architecture(variant.name, model.config)
+    model.pretrained_cfg = model.default_cfg = {**model.pretrained_cfg, "architecture": architecture}
+    model._model_args = {**model.config.rebuild_args(), **model._model_args}
 
 
 def register_variant(source: str | Path | dict[str, Any], name: str | None = None) -> str:
@@ -183,7 +199,7 @@ def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
     """A shipped variant to name in a saved config: `name` if it is one, else the shipped one its YAML
     starts from (`base:`, followed), else the one whose arguments differ least from `config` (the saved
     config carries every argument, so any shipped name rebuilds it)."""
-    shipped = {n: v for n, v in VARIANTS.items() if Path(v.source).parent == config_dir()}
+    shipped = {n: v for n, v in VARIANTS.items() if _is_shipped(v)}
     seen = set()
     while name in VARIANTS and name not in shipped and name not in seen:
         seen.add(name)
@@ -196,6 +212,10 @@ def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
         return sum(values.get(k) != v for k, v in variant.model_args.items())
 
     return min(sorted(shipped), key=lambda n: differing(shipped[n]))
+
+
+def _is_shipped(variant: Variant) -> bool:
+    return Path(variant.source).parent == config_dir()
 
 
 def set_pretrained_loader(loader: PretrainedLoader) -> None:

@@ -14,10 +14,10 @@ import torch
 
 from ..layers import RopeEmbedding
 from .errors import CheckpointError
-from .layer_scale import GAMMA_KEY, LayerScalePlan, plan_layer_scale, suspicious_gammas
+from .gamma_keys import NATIVE_GAMMA_KEY
+from .layer_scale import LayerScalePlan, plan_layer_scale, suspicious_gammas
 from .layouts import effective_qkv_bias
 from .plan import Plan, Step
-from .reader import TensorInfo
 
 Tensor = torch.Tensor
 
@@ -35,7 +35,7 @@ OPTION_KEYS = (("cls_norm.", "cls_norm={}"), ("mlp.w1.", "ffn_layer='swiglu'"), 
 
 @dataclass
 class Fitted:
-    layout: str
+    layout: str  # as users name the keys: "Meta DINOv3 keys", "timm eva keys"
     plan: Plan  # the model's keys, in its order
     filled: list[str]
     dropped: list[str]
@@ -87,14 +87,14 @@ def fit_to_model(
     strict = getattr(config, "strict_layer_scale", False)
     layer_scale = plan_layer_scale(infos, expected, strict=strict, reinit=reinit_layer_scale)
     for key in layer_scale.restarted:
-        block, branch = GAMMA_KEY.match(key).groups()
+        block, branch = NATIVE_GAMMA_KEY.match(key).groups()
         init_value = config.layer_init_values[int(block)][int(branch) - 1]
         steps[key] = _constant(key, torch.full(expected[key].shape, init_value, dtype=fill_dtype))
     for step in layer_scale.fold_steps(set(infos)):
         for key in step.outputs:
             steps[key] = step
         del steps[step.inputs[-1]]
-    file_gammas = {k: native[k] for k in infos if GAMMA_KEY.match(k)}
+    file_gammas = {k: native[k] for k in infos if NATIVE_GAMMA_KEY.match(k)}
     warnings = suspicious_gammas(file_gammas, layer_scale.kept, getattr(config, "layer_init_values", []))
 
     filled = []
@@ -122,7 +122,7 @@ def _fill(
         return _constant(key, torch.zeros(shape, dtype=dtype)), "zero qkv biases"
     if key == "mask_token":
         return _constant(key, torch.zeros(shape, dtype=dtype)), "a zero mask_token"
-    if GAMMA_KEY.match(key):
+    if NATIVE_GAMMA_KEY.match(key):
         return _constant(key, torch.ones(shape, dtype=dtype)), None  # the LayerScale summary reports it
     if key.startswith("local_cls_norm.") and norm_key in steps:
         return Step((key,), (norm_key,), lambda t: (t.clone(),)), "local_cls_norm from norm"
@@ -175,22 +175,18 @@ def _check_complete(plan: Plan, expected: Mapping[str, Tensor], layout: str, nam
     for key, target in expected.items():
         if key not in plan:
             raise CheckpointError(
-                f"the {layout} checkpoint lacks {key} {list(target.shape)} that {name} needs; build "
+                f"the checkpoint ({layout}) lacks {key} {list(target.shape)} that {name} needs; build "
                 f"{_option_hint(key, False)}"
             )
         if plan.info(key).shape != target.shape:
             raise CheckpointError(
-                f"the {layout} checkpoint does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
+                f"the checkpoint ({layout}) does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
                 f"checkpoint but {list(target.shape)} in the model; build the variant the checkpoint was made for"
             )
     extra = [k for k in plan if k not in expected]
     if extra:
         shape = list(plan.info(extra[0]).shape)
         raise CheckpointError(
-            f"the {layout} checkpoint has {extra[0]} {shape} that {name} does not hold"
+            f"the checkpoint ({layout}) has {extra[0]} {shape} that {name} does not hold"
             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; build {_option_hint(extra[0], True)}"
         )
-
-
-def expected_infos(expected: Mapping[str, Tensor]) -> dict[str, TensorInfo]:
-    return {k: TensorInfo(v.shape, v.dtype) for k, v in expected.items()}

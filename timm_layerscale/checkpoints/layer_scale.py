@@ -7,7 +7,6 @@ which is also how LayerScale is fused away for inference (`fold_layer_scale`).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +16,10 @@ from torch import nn
 
 from ..layers import LayerScale
 from .errors import CheckpointError
+from .gamma_keys import NATIVE_GAMMA_KEY
 from .plan import Step
 from .reader import TensorInfo
 
-GAMMA_KEY = re.compile(r"^blocks\.(\d+)\.ls([12])\.gamma$")
 # Values LayerScale is commonly initialised to: a gamma vector equal to one of them was never trained.
 COMMON_INIT_VALUES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1)
 
@@ -89,11 +88,11 @@ def plan_layer_scale(
     `reinit` restarts every gamma the model holds at its init value instead (LayerScale's muted start on a
     pretrained trunk); gammas the model has no LayerScale for are still folded.
     """
-    file_gammas = {k for k in infos if GAMMA_KEY.match(k)}
-    model_gammas = {k for k in expected if GAMMA_KEY.match(k)}
+    file_gammas = {k for k in infos if NATIVE_GAMMA_KEY.match(k)}
+    model_gammas = {k for k in expected if NATIVE_GAMMA_KEY.match(k)}
     folded = []
     for key in sorted(file_gammas - model_gammas, key=_block_order):
-        block, branch = GAMMA_KEY.match(key).groups()
+        block, branch = NATIVE_GAMMA_KEY.match(key).groups()
         proj = branch_output_projection(infos, int(block), branch)
         shape = infos[key].shape
         if proj is None or shape != infos[f"{proj}.weight"].shape[:1]:
@@ -116,7 +115,7 @@ def plan_layer_scale(
 
 
 def _block_order(key: str) -> tuple[int, int]:
-    block, branch = GAMMA_KEY.match(key).groups()
+    block, branch = NATIVE_GAMMA_KEY.match(key).groups()
     return int(block), int(branch)
 
 

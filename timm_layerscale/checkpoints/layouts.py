@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
+from .gamma_keys import ANY_GAMMA_KEY, GAMMA_SPELLINGS, NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name
 from .plan import Plan, Step, StepFn, info_of, passthrough, same
 
 Tensor = torch.Tensor
@@ -93,6 +94,7 @@ class Layout:
     rules: tuple[Rule, ...]
     # Spellings of the same keys that loading accepts (source prefix -> table prefix).
     aliases: tuple[tuple[str, str], ...] = field(default=())
+    title: str = ""  # the keys as users name them, for messages: "Meta DINOv3 keys"
 
     def to_native(self, source: Mapping[str, Tensor]) -> Plan:
         """Native keys from this layout; keys the table does not know pass through (for the checks to name)."""
@@ -175,22 +177,29 @@ NATIVE_KEYS = (
     "blocks.{i}.attn.qkv.bias",
     "blocks.{i}.attn.qkv.bias_mask",
     "blocks.{i}.attn.proj.{p}",
-    "blocks.{i}.ls1.gamma",
+    "blocks.{i}." + gamma_name(NATIVE_SPELLING, 1),
     "blocks.{i}.norm2.{p}",
     "blocks.{i}.mlp.fc1.{p}",
     "blocks.{i}.mlp.fc2.{p}",
     "blocks.{i}.mlp.w1.{p}",
     "blocks.{i}.mlp.w2.{p}",
     "blocks.{i}.mlp.w3.{p}",
-    "blocks.{i}.ls2.gamma",
+    "blocks.{i}." + gamma_name(NATIVE_SPELLING, 2),
     "norm.{p}",
     "cls_norm.{p}",
     "local_cls_norm.{p}",
     "head.{p}",
 )
 
-NATIVE = Layout("native", tuple(row(key, key) for key in NATIVE_KEYS))
-META = Layout("meta", tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")))
+
+def _native_gamma(branch: int) -> str:
+    return "blocks.{i}." + gamma_name(NATIVE_SPELLING, branch)
+
+
+NATIVE = Layout("native", tuple(row(key, key) for key in NATIVE_KEYS), title="timm-layerscale keys")
+META = Layout(
+    "meta", tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")), title="Meta DINOv3 keys"
+)
 
 TRANSFORMERS = Layout(
     "transformers",
@@ -213,7 +222,7 @@ TRANSFORMERS = Layout(
             _qkv_bias_to_transformers,
         ),
         row("blocks.{i}.attn.proj.{p}", "layer.{i}.attention.o_proj.{p}"),
-        row("blocks.{i}.ls1.gamma", "layer.{i}.layer_scale1.lambda1"),
+        row(_native_gamma(1), "layer.{i}." + gamma_name("layer_scaleN.lambda1", 1)),
         row("blocks.{i}.norm2.{p}", "layer.{i}.norm2.{p}"),
         row(
             ("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}", "blocks.{i}.mlp.w3.{p}"),
@@ -221,10 +230,11 @@ TRANSFORMERS = Layout(
         ),
         row("blocks.{i}.mlp.fc1.{p}", "layer.{i}.mlp.up_proj.{p}"),
         row("blocks.{i}.mlp.fc2.{p}", "layer.{i}.mlp.down_proj.{p}"),
-        row("blocks.{i}.ls2.gamma", "layer.{i}.layer_scale2.lambda1"),
+        row(_native_gamma(2), "layer.{i}." + gamma_name("layer_scaleN.lambda1", 2)),
         row("norm.{p}", "norm.{p}"),
     ),
     aliases=(("model.layer.", "layer."),),  # transformers 5 names the blocks so in memory
+    title="transformers DINOv3ViTModel keys",
 )
 
 TIMM_EVA = Layout(
@@ -242,7 +252,7 @@ TIMM_EVA = Layout(
             _qkv_bias_to_eva,
         ),
         row("blocks.{i}.attn.proj.{p}", "blocks.{i}.attn.proj.{p}"),
-        row("blocks.{i}.ls1.gamma", "blocks.{i}.gamma_1"),
+        row(_native_gamma(1), "blocks.{i}." + gamma_name("gamma_N", 1)),
         row("blocks.{i}.norm2.{p}", "blocks.{i}.norm2.{p}"),
         row(
             ("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}", "blocks.{i}.mlp.w3.{p}"),
@@ -250,19 +260,26 @@ TIMM_EVA = Layout(
         ),
         row("blocks.{i}.mlp.fc1.{p}", "blocks.{i}.mlp.fc1.{p}"),
         row("blocks.{i}.mlp.fc2.{p}", "blocks.{i}.mlp.fc2.{p}"),
-        row("blocks.{i}.ls2.gamma", "blocks.{i}.gamma_2"),
+        row(_native_gamma(2), "blocks.{i}." + gamma_name("gamma_N", 2)),
         row("norm.{p}", "norm.{p}"),
         row("head.{p}", "head.{p}"),
     ),
+    title="timm eva keys",
 )
 
-LAYOUTS = {layout.name: layout for layout in (META, TRANSFORMERS, TIMM_EVA)}
+
+def layout_title(layout: Layout, keys: Iterable[str]) -> str:
+    """The keys as users name them. Ours are Meta's; a classifier head marks a timm-layerscale model's own."""
+    if layout is META and any(key.startswith("head.") for key in keys):
+        return NATIVE.title
+    return layout.title
 
 
 # ----------------------------------------------------------------------------------------------- detect
 
 # Position-embedding tables of ViTs that are not DINOv3 (which has RoPE and no table).
 _POS_EMBED = re.compile(r"(^|\.)(pos_embed|position_embeddings)$")
+_NATIVE_QKV = re.compile(r"^blocks\.\d+\.attn\.qkv\.weight$")
 _PATCH_WEIGHT = re.compile(r"(^|\.)(patch_embed\.proj|patch_embeddings(\.projection)?)\.weight$")
 
 
@@ -277,7 +294,7 @@ def _foreign_family(keys: list[str], source: Mapping[str, Tensor]) -> str | None
         family, instead = "CaiT", "timm's cait_* models"
     elif patch == 14 or any(k.endswith(("mask_token", "register_tokens")) for k in keys):
         family, instead = "DINOv2", "timm's vit_*_patch14_dinov2 models or transformers' Dinov2Model"
-    elif any(re.search(r"(gamma_[12]|ls[12]\.gamma|lambda1)$", k) for k in keys):
+    elif any(ANY_GAMMA_KEY.search(k) for k in keys):
         family, instead = "DeiT-III", "timm's deit3_* models"
     else:
         family, instead = "ViT (not DINOv3)", "timm's vit_* models"
@@ -294,12 +311,15 @@ def detect_layout(source: Mapping[str, Tensor]) -> Layout:
     foreign = _foreign_family(keys, source)
     if foreign:
         raise CheckpointError(foreign)
-    eva_keys = (".gamma_1", ".gamma_2", ".attn.q_bias", ".mlp.fc1_g.weight")
+    eva_keys = (*(f".{gamma_name('gamma_N', n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")
     if "reg_token" in keys or any(k.endswith(eva_keys) for k in keys):
         return TIMM_EVA
-    if any(k.startswith(("embeddings.", "layer.", "model.layer.")) or ".layer_scale1." in k for k in keys):
+    if any(
+        k.startswith(("embeddings.", "layer.", "model.layer.")) or f".{gamma_name('layer_scaleN.lambda1', 1)}" in k
+        for k in keys
+    ):
         return TRANSFORMERS
-    if "storage_tokens" in keys or any(re.match(r"blocks\.\d+\.(ls1\.gamma|attn\.qkv\.weight)$", k) for k in keys):
+    if "storage_tokens" in keys or any(NATIVE_GAMMA_KEY.match(k) or _NATIVE_QKV.match(k) for k in keys):
         return META
     raise CheckpointError(
         f"unrecognised checkpoint layout (first keys: {', '.join(keys[:4])}); expected Meta DINOv3, "
@@ -309,9 +329,6 @@ def detect_layout(source: Mapping[str, Tensor]) -> Layout:
 
 # ------------------------------------------------------------------------------------ LayerScale names
 
-LAYER_SCALE_SPELLINGS = ("lsN.gamma", "gamma_N", "layer_scaleN.lambda1")
-_LAYER_SCALE_KEY = re.compile(r"(^|\.)(?:ls([12])\.gamma|gamma_([12])|layer_scale([12])\.lambda1)$")
-
 
 def rename_layer_scale(state_dict: Mapping[str, Any], to: str) -> dict[str, Any]:
     """Renames LayerScale keys of any ViT-like state dict to one spelling, keeping order and values.
@@ -319,15 +336,15 @@ def rename_layer_scale(state_dict: Mapping[str, Any], to: str) -> dict[str, Any]
     `to` is "lsN.gamma" (Meta, timm ViT), "gamma_N" (timm eva, CaiT, DeiT-III) or "layer_scaleN.lambda1"
     (transformers). Other keys are left as they are.
     """
-    if to not in LAYER_SCALE_SPELLINGS:
-        raise ValueError(f"to: got {to!r}; allowed: {', '.join(LAYER_SCALE_SPELLINGS)}")
+    if to not in GAMMA_SPELLINGS:
+        raise ValueError(f"to: got {to!r}; allowed: {', '.join(GAMMA_SPELLINGS)}")
 
     def rename(key: str) -> str:
-        found = _LAYER_SCALE_KEY.search(key)
+        found = ANY_GAMMA_KEY.search(key)
         if found is None:
             return key
         branch = next(b for b in found.groups()[1:] if b)
-        return key[: found.end(1)] + to.replace("N", branch)
+        return key[: found.end(1)] + gamma_name(to, branch)
 
     renamed = {rename(k): v for k, v in state_dict.items()}
     if len(renamed) != len(state_dict):

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from .fit import Fitted, fit_to_model
-from .layouts import StateDict, detect_layout
+from .layouts import StateDict, detect_layout, layout_title
 from .plan import Plan
 from .reader import LazyCheckpoint, open_checkpoint
 
@@ -44,7 +44,7 @@ def plan_load(
     return fit_to_model(
         prepare(native) if prepare else native,
         model.state_dict(),
-        layout=layout.name,
+        layout=layout_title(layout, source),
         model_name=name,
         config=config,
         reinit_layer_scale=pretrained and getattr(config, "reinit_layer_scale", False),
@@ -58,7 +58,7 @@ def convert_state_dict(checkpoint: Any, model: nn.Module, pretrained: bool = Fal
     `pretrained` marks a pretrained load, the only kind that `reinit_layer_scale` re-initialises.
     """
     fitted = plan_load(checkpoint, model, pretrained)
-    return dict(fitted.plan.items()), fitted.report(f"loaded a {fitted.layout} checkpoint")
+    return dict(fitted.plan.items()), fitted.report(f"loaded a checkpoint with {fitted.layout}")
 
 
 def log_report(lines: list[str]) -> None:

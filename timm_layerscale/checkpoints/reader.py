@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from . import dcp
+from .dtypes import torch_dtype, unknown_name_reason
 from .errors import CheckpointError, reason, torch_load_error
 from .sniff import PASS_WEIGHTS, sniff
 
@@ -51,6 +52,8 @@ TRAINING_STATE = (
 )
 # Prefixes that wrap a backbone in training checkpoints, DDP and torch.compile models.
 WRAPPER_PREFIXES = ("module.", "backbone.", "_orig_mod.")
+# Meta's DINOv3 pretraining heads, kept apart from the backbone when asked for (`open_checkpoint(heads=True)`).
+HEADS = re.compile(r"^(dino_head|ibot_head)\.")
 # Keys of pretraining heads, losses, the Gram teacher and other parts no backbone holds.
 TRAINING_ONLY = re.compile(
     r"^(dino_head|ibot_head|dino_loss|ibot_patch_loss|koleo_loss|gram_loss|gram_teacher|projectors|gram)\."
@@ -77,7 +80,8 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
 
     `kind` says what the source is (`KIND_*`), `weights` which set was taken; `info(key)` gives the shape and
     dtype without reading, `nbytes` the size of the set. `files` are the files it reads and `hub_config` the
-    parsed `config.json` of a Hub-layout folder. Tensors may be views of the mapped file: clone before
+    parsed `config.json` of a Hub-layout folder. `heads` holds the set's `dino_head.*`/`ibot_head.*` tensors
+    when they were asked for (else None). Tensors may be views of the mapped file: clone before
     changing one in place. Use it as a context manager, or `close()` it, to release the files.
     """
 
@@ -91,8 +95,10 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         close: Callable[[], None] = lambda: None,
         hub_config: dict[str, Any] | None = None,
         files: tuple[Path, ...] = (),
+        heads: LazyCheckpoint | None = None,
     ) -> None:
         self.path = path
+        self.heads = heads
         self.kind = kind
         self.weights = weights
         self.hub_config = hub_config
@@ -158,8 +164,12 @@ def _inside(names: dict[str, str], prefix: str) -> dict[str, str]:
     return {k[len(prefix) :]: v for k, v in names.items() if k.startswith(prefix)}
 
 
-def select_weights(keys: list[str], weights: Weights, source: str) -> tuple[str, dict[str, str]]:
+def select_weights(
+    keys: list[str], weights: Weights, source: str, heads: dict[str, str] | None = None
+) -> tuple[str, dict[str, str]]:
     """Picks one weights set among flat keys; returns its name and {backbone key: flat key}.
+
+    `heads`, when given, is filled with the set's pretraining heads, {`dino_head.*`/`ibot_head.*`: flat key}.
 
     A training checkpoint nests weights sets under top-level names (`teacher.`, `state_dict_ema.`, ...);
     anything else at the top level (`blocks.`, `embeddings.`, `module.`) makes the file one plain set. A single
@@ -169,6 +179,9 @@ def select_weights(keys: list[str], weights: Weights, source: str) -> tuple[str,
         raise CheckpointError(f"weights must be one of {', '.join(WEIGHTS_CHOICES)}; got {weights!r}")
     names, taken = {k: k for k in keys}, ONLY_SET
     while True:
+        if heads is not None:
+            heads.update({k: v for k, v in names.items() if HEADS.match(k)})
+            names = {k: v for k, v in names.items() if not HEADS.match(k)}
         names = _strip_wrappers(names)
         top = {k.split(".", 1)[0] for k in names}
         if not _is_container(top):
@@ -293,11 +306,9 @@ def _flat_safetensors_read(path: Path) -> _Flat:
 
 
 def _safetensors_dtype(name: str, key: str, path: Path) -> torch.dtype:
-    dtype = getattr(torch, SAFETENSORS_DTYPES.get(name, ""), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(
-            f"{path} stores {key} as {name}, which has no torch dtype here; save it as F32, BF16 or F16"
-        )
+    dtype = torch_dtype(name)
+    if dtype is None:
+        raise CheckpointError(f"{path} stores {key} as {unknown_name_reason(name)}; save it as F32, BF16 or F16")
     return dtype
 
 
@@ -316,11 +327,12 @@ def _flat_dcp(folder: Path) -> _Flat:
     items = dcp.tensor_items(metadata)
     infos = {key: TensorInfo(*item) for key, item in items.items()}
     read = dcp.tensor_reader(folder, metadata)
+    files = dcp.stored_files(folder, metadata)
     if folder.name == META_EVAL_TEACHER[0]:
         # Meta saves the EMA teacher here under `model.`: name it as the teacher it is.
         renamed = {"teacher." + k.removeprefix("model."): k for k in infos}
-        return _Flat(KIND_DCP, {k: infos[v] for k, v in renamed.items()}, lambda k: read(renamed[k]), (folder,))
-    return _Flat(KIND_DCP, infos, read, (folder,))
+        return _Flat(KIND_DCP, {k: infos[v] for k, v in renamed.items()}, lambda k: read(renamed[k]), files)
+    return _Flat(KIND_DCP, infos, read, files)
 
 
 def read_index(index: Path) -> dict[str, str]:
@@ -389,6 +401,7 @@ def _open_folder(folder: Path) -> _Flat:
             if not isinstance(flat.hub_config, dict):
                 raise CheckpointError(f"{config_path} is not a model config (a JSON object); download it again")
             flat.kind = KIND_HUB_FOLDER
+            flat.files = (*flat.files, config_path)
         return flat
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if len(indexes) == 1:
@@ -429,29 +442,13 @@ def _open_path(path: Path) -> _Flat:
     return _open_file(path)
 
 
-SAFETENSORS_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E8M0": "float8_e8m0fnu",
-    "C64": "complex64",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
-def open_checkpoint(source: str | Path | Mapping[str, Any], weights: Weights = "auto") -> LazyCheckpoint:
+def open_checkpoint(
+    source: str | Path | Mapping[str, Any], weights: Weights = "auto", heads: bool = False
+) -> LazyCheckpoint:
     """Opens a checkpoint lazily and picks its weights set (`auto`: EMA/teacher where there is one).
+
+    The backbone's tensors are the mapping; with `heads`, the set's DINOv3 pretraining heads are kept
+    apart in `.heads` (under `dino_head.`/`ibot_head.`), else dropped as every load drops them.
 
     Sources: a `.safetensors` file, a torch file (`.pth`, `.bin`, `.pt`, timm's `.pth.tar`, Meta's
     `teacher_checkpoint.pth`, legacy non-zip files), a sharded index (`*.index.json`), a folder (Hub layout with
@@ -464,12 +461,17 @@ def open_checkpoint(source: str | Path | Mapping[str, Any], weights: Weights = "
     else:
         path = Path(source)
         flat = _open_path(path)
+    head_keys: dict[str, str] | None = {} if heads else None
     try:
-        taken, keys = select_weights(list(flat.infos), weights, str(path))
+        taken, keys = select_weights(list(flat.infos), weights, str(path), head_keys)
     except CheckpointError:
         flat.close()
         raise
+    kept = None
+    if head_keys is not None:
+        head_infos = {k: flat.infos[f] for k, f in head_keys.items()}
+        kept = LazyCheckpoint(path, flat.kind, taken, head_infos, lambda k: flat.read(head_keys[k]))
     infos = {k: flat.infos[f] for k, f in keys.items()}
     return LazyCheckpoint(
-        path, flat.kind, taken, infos, lambda k: flat.read(keys[k]), flat.close, flat.hub_config, flat.files
+        path, flat.kind, taken, infos, lambda k: flat.read(keys[k]), flat.close, flat.hub_config, flat.files, kept
     )

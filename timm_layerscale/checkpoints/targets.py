@@ -4,6 +4,7 @@
 |---|---|---|
 | native | `model.safetensors` | timm `config.json`: a registered vit_ls architecture and every model arg |
 | meta | one `.pth` (or `.safetensors`) | none (Meta's code builds the model) |
+| meta-train | `{"teacher": ...}` `.pth`, or a DCP folder (`iteration`, `model.*`) | none (Meta's training YAML) |
 | hf | `model.safetensors` (sharded above 5 GB, with an index) | transformers `config.json` (DINOv3ViTModel) |
 | timm | `model.safetensors` | timm `config.json`: eva's DINOv3 architecture (`_qkvb` for q/v biases) |
 """
@@ -22,7 +23,6 @@ import torch
 from ..config import VitLsConfig
 from ..layers import swiglu_hidden_features
 from .errors import CheckpointError
-from .layer_scale import GAMMA_KEY
 from .layouts import META, NATIVE, TIMM_EVA, TRANSFORMERS, Layout
 from .plan import Plan, Step, passthrough
 from .writers import Progress, atomic_destination, write_safetensors, write_text
@@ -48,6 +48,13 @@ TARGETS = {
     for t in (
         Target("native", NATIVE, False, True, "this package's layout with a timm config.json"),
         Target("meta", META, True, False, "Meta's DINOv3 keys in one .pth or .safetensors file"),
+        Target(
+            "meta-train",
+            META,
+            True,
+            False,
+            "what Meta's DINOv3 trainer loads: backbone and heads, a .pth or a distributed checkpoint folder",
+        ),
         Target("hf", TRANSFORMERS, True, True, "transformers' DINOv3ViTModel folder"),
         Target("timm", TIMM_EVA, True, True, "timm's eva DINOv3 folder"),
     )
@@ -83,12 +90,9 @@ def pretrained_cfg_fields(pretrained_cfg: Mapping[str, Any], num_classes: int) -
 def native_config(config: VitLsConfig, architecture: str, pretrained_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """timm's config.json for this package's weights: `local-dir:` and `hf-hub:` rebuild the exact model.
 
-    Every model arg is written, so the folder does not depend on the variant's YAML defaults of the day;
-    LayerScale off is written as 0 because timm drops keyword arguments whose value is None.
+    Every model arg is written, so the folder does not depend on the variant's YAML defaults of the day.
     """
-    model_args = config.to_dict()
-    if model_args["init_values"] is None:
-        model_args["init_values"] = 0
+    model_args = config.rebuild_args()
     return {
         "architecture": architecture,
         "num_classes": config.num_classes,
@@ -277,7 +281,3 @@ def unheld_groups(keys: list[str]) -> list[str]:
         if name not in groups:
             groups.append(name)
     return groups
-
-
-def gamma_keys(keys: Mapping[str, Any]) -> list[str]:
-    return [k for k in keys if GAMMA_KEY.match(k)]

@@ -21,24 +21,12 @@ import torch
 from huggingface_hub import constants, split_state_dict_into_shards_factory
 from safetensors import safe_open
 
+from .dtypes import safetensors_name
 from .errors import CheckpointError
 from .plan import info_of
 
 Tensor = torch.Tensor
 Progress = Callable[[int], object]  # called with the bytes just written
-
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 def write_safetensors(
@@ -58,10 +46,14 @@ def write_safetensors(
     offset = 0
     for key in keys:
         info = info_of(tensors, key)
-        if info.dtype not in SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{key} has dtype {info.dtype}, which safetensors cannot store; pass --dtype")
+        name = safetensors_name(info.dtype)
+        if name is None:
+            raise CheckpointError(
+                f"{key} has dtype {info.dtype}, which the safetensors format has no name for; pass --dtype fp32, "
+                f"bf16 or fp16, or write a .pth"
+            )
         header[key] = {
-            "dtype": SAFETENSORS_DTYPES[info.dtype],
+            "dtype": name,
             "shape": list(info.shape),
             "data_offsets": [offset, offset + info.nbytes],
         }
@@ -120,8 +112,10 @@ def write_sharded_safetensors(
     return files
 
 
-def write_torch_file(path: Path, tensors: Mapping[str, Tensor], progress: Progress | None = None) -> int:
-    """A flat torch state dict (`torch.save`), with private memory kept near one tensor.
+def write_torch_file(
+    path: Path, tensors: Mapping[str, Tensor], progress: Progress | None = None, under: str | None = None
+) -> int:
+    """A flat torch state dict (`torch.save`), or `{under: state dict}`, with private memory kept near one tensor.
 
     `torch.save` needs every tensor at once, so the tensors are first streamed into a safetensors file
     beside it and saved from that file's memory-mapped pages: the data is written twice.
@@ -130,7 +124,8 @@ def write_torch_file(path: Path, tensors: Mapping[str, Tensor], progress: Progre
     try:
         written = write_safetensors(staging, tensors, progress=progress)
         with safe_open(str(staging), framework="pt") as mapped, path.open("wb") as f:
-            torch.save({key: mapped.get_tensor(key) for key in tensors}, f)
+            state = {key: mapped.get_tensor(key) for key in tensors}
+            torch.save(state if under is None else {under: state}, f)
             _sync(f)
     finally:
         staging.unlink(missing_ok=True)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 
 import timm
 import torch
 
-from .. import __version__
 from ..checkpoints import CheckpointError
 from . import ablate, convert, demo, export, inspection, listing, run
 from .common import CliError
@@ -43,7 +43,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action="version",
-        version=f"timm-ls {__version__} (timm {timm.__version__}, torch {torch.__version__})",
+        version=f"timm-ls {version('timm-layerscale')} (timm {timm.__version__}, torch {torch.__version__})",
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     commands = parser.add_subparsers(dest="command")

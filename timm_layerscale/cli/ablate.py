@@ -33,7 +33,7 @@ from ..tools.gammas import gamma_stats
 from ..tools.plots import missing_matplotlib, plot_curves, plotting_available
 from ..tools.shapes import CLASSES, make_shapes
 from ..tools.trainer import train
-from .common import CliError, parse_model_kwargs, resolve_variant, warn
+from .common import CliError, count, parse_model_kwargs, resolve_variant, warn
 
 CURVE_COLUMNS = ("init_values", "seed", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc")
 GAMMA_COLUMNS = ("init_values", "seed", "block", "attn_mean_abs_gamma", "mlp_mean_abs_gamma")
@@ -101,7 +101,10 @@ def _with_flags(experiment: Experiment, args: argparse.Namespace) -> Experiment:
     labels = [init_label(v) for v in experiment.init_values]  # checks each value
     if len(set(labels)) != len(labels):
         raise CliError(f"--init-values: {labels} repeats a value; give each once")
-    return check(experiment, "--config and flags")
+    experiment = check(experiment, "--config and flags")
+    if note := experiment.train.short_warmup_note():
+        warn(note)
+    return experiment
 
 
 # ----------------------------------------------------------------------------------------------- runs
@@ -280,7 +283,8 @@ def summarise(experiment: Experiment, results: list[dict[str, Any]]) -> list[str
     lines.insert(
         0,
         f"{experiment.variant} with {' '.join(f'{k}={v}' for k, v in model.items())}, {experiment.train.describe()}, "
-        f"seeds {', '.join(map(str, experiment.seeds))}; data: {experiment.data.describe()}",
+        f"{'seed' if len(experiment.seeds) == 1 else 'seeds'} {', '.join(map(str, experiment.seeds))}; "
+        f"data: {experiment.data.describe()}",
     )
     return lines
 
@@ -330,7 +334,8 @@ def ablate(args: argparse.Namespace) -> int:
     if not draw:
         warn(f"no curves.png: {missing_matplotlib()}; the CSV files and the summary are still written")
     print(
-        f"ablation: {runs} runs ({len(experiment.init_values)} init values x {len(experiment.seeds)} seeds), "
+        f"ablation: {runs} runs ({count(len(experiment.init_values), 'init value')} x "
+        f"{count(len(experiment.seeds), 'seed')}), "
         f"{experiment.train.steps} steps each, {jobs} at a time; results go to {out}/",
         flush=True,
     )

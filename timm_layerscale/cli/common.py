@@ -13,22 +13,23 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import huggingface_hub
 import timm
 import yaml
-from huggingface_hub import constants
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from torch import nn
 
-from ..hub import HubError
+from ..hub import HubError, fetch_hub_weights
 from ..variants import VARIANTS, Variant, register_variant
 
-HUB_FILE = "model.safetensors"
 VARIANT_FILE_SUFFIXES = (".yaml", ".yml")
 
 
 class CliError(Exception):
     """Bad input: printed as one `timm-ls: error:` line."""
+
+
+def count(number: int, noun: str) -> str:
+    """`1 seed`, `3 seeds`."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def warn(message: str) -> None:
@@ -112,20 +113,6 @@ def load_report() -> Iterator[list[str]]:
         logger.level, logger.propagate = old
 
 
-def hub_unreachable(exc: BaseException | None) -> str | None:
-    """A short reason when `exc` says the Hub could not be reached, None when it answered."""
-    chain = []
-    while exc is not None and len(chain) < 8:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
-    network = (LocalEntryNotFoundError, ConnectionError, TimeoutError)
-    if any(isinstance(e, HfHubHTTPError) for e in chain) or not any(
-        isinstance(e, network) or any(c.__name__ == "TransportError" for c in type(e).__mro__) for e in chain
-    ):
-        return None
-    return f"{constants.ENDPOINT}: {type(chain[-1]).__name__}: {chain[-1]}"
-
-
 def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[nn.Module, str]:
     name = f"{variant.name}.{tag}" if tag else variant.name
     kwargs = parse_model_kwargs(args.model_kwargs)
@@ -136,28 +123,24 @@ def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[
     if not args.pretrained:
         return timm.create_model(name, **kwargs), "random init (no --checkpoint or --pretrained given)"
     tag = tag or next(iter(variant.tags), None)
-    hub_id = (variant.tags.get(tag) or {}).get("hf_hub_id") if tag else None
-    if not hub_id:
+    cfg = timm.models.get_pretrained_cfg(f"{variant.name}.{tag}") if tag else None
+    if cfg is None or not cfg.hf_hub_id:
         raise CliError(f"{variant.name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
-    repo, _, revision = hub_id.partition("@")
-    reason = None
-    try:  # a quick look, without huggingface_hub's retries, to say where the weights came from
+    try:  # the one Hub request; a gated repo or a missing file is its one-line error
         with quiet_hub():
-            huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo, HUB_FILE, revision=revision or None))
-    except Exception as exc:
-        reason = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(exc)
-    if reason is None:  # the Hub answered: a gated repo or a missing file is the loader's one-line error
-        return timm.create_model(f"{variant.name}.{tag}", pretrained=True, **kwargs), f"Hub {hub_id}"
-    try:
-        model = timm.create_model(f"{variant.name}.{tag}", pretrained=True, **kwargs)
-        return model, f"Hub {hub_id} from the local cache (the Hub is not reachable: {reason})"
-    except HubError:  # nothing cached
+            weights = fetch_hub_weights(cfg, cache_dir=kwargs.get("cache_dir"))
+    except HubError as exc:
+        if exc.unreachable is None:
+            raise
         warn(
-            f"--pretrained: the Hub is not reachable ({reason}) and {hub_id} is not in the local cache; "
-            f"using random weights instead"
+            f"--pretrained: the Hub is not reachable ({exc.unreachable}) and {cfg.hf_hub_id} is not in the local "
+            f"cache; using random weights instead"
         )
         fallback = "random init, because the Hub is not reachable (see the warning above)"
         return timm.create_model(name, **kwargs), fallback
+    overlay = dict(file=str(weights.path))
+    model = timm.create_model(f"{variant.name}.{tag}", pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+    return model, weights.origin
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -25,11 +25,11 @@ from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
 from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
-from ..tools.gammas import BRANCHES, BranchStats, find_gamma_keys, fmt, gamma_stats
-from ..tools.shapes import make_shapes
-from ..tools.trainer import evaluate, train
+from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, fmt, gamma_stats
+from ..tools.shapes import Shapes, make_shapes
+from ..tools.trainer import TrainResult, evaluate, train
 from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
-from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
+from .gamma_report import DEFAULT_PLOT, add_plot_arguments, draw, plot_target, stats_table
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 WHAT_IS_A_GAMMA = (
@@ -67,7 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     parser.add_argument("--image", action="append", default=[], metavar="PATH", help="with weights: run these images")
-    add_plot_arguments(parser, "layerscale_gammas.png")
+    add_plot_arguments(parser, DEFAULT_PLOT)
     parser.set_defaults(func=demo)
 
 
@@ -94,6 +94,8 @@ def _experiment(args: argparse.Namespace) -> Experiment:
         experiment = check(experiment.replace(train=dataclasses.replace(experiment.train, steps=args.steps)), "--steps")
     if args.threads < 1:
         raise CliError(f"--threads: got {args.threads}; allowed: a positive integer")
+    if note := experiment.train.short_warmup_note():
+        warn(note)
     return experiment
 
 
@@ -113,13 +115,58 @@ def _gamma_changes(
     return blocks
 
 
+@dataclasses.dataclass
+class _Run:
+    """One training run of the main job: what was trained, on what, and what came out."""
+
+    name: str
+    overrides: dict
+    model: nn.Module
+    data: Shapes
+    before: dict
+    loss_before: float
+    acc_before: float
+    plot: Path | None
+    result: TrainResult | None = None
+    seconds: float = 0.0
+
+    @property
+    def shrink(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.overrides.items())
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def last(self) -> dict:
+        history = self.result.history if self.result else []
+        return history[-1] if history else dict(step=0, test_loss=math.nan, test_acc=math.nan)
+
+
 def watch_training(args: argparse.Namespace) -> int:
     experiment = _experiment(args)
+    run = _start(args, experiment)
+    if not args.json:
+        print(_introduction(args, experiment, run), flush=True)
+    _train(args, experiment, run)
+    after = _gammas(run.model)
+    changes = _gamma_changes(run.before, after)
+    title = f"{run.name} ({run.shrink}), {experiment.train.steps} steps on generated shapes"
+    plot_line = draw(run.plot, gamma_stats(after), title, before=gamma_stats(run.before))
+    if args.json:
+        print(json.dumps(_json_report(args, experiment, run, changes, plot_line), indent=1))
+    else:
+        print(_text_report(run, changes, plot_line))
+    return 0
+
+
+def _start(args: argparse.Namespace, experiment: Experiment) -> _Run:
+    """The shrunk model from its seed, its gammas and its held-out score before any step."""
     variant, tag = resolve_variant(args.variant or experiment.variant)
     name = f"{variant.name}.{tag}" if tag else variant.name
     overrides = {**experiment.model, **parse_model_kwargs(args.model_kwargs)}
-    plot = plot_target(args)
-
+    plot = plot_target(args)  # a bad --plot fails before the training does
     torch.set_num_threads(args.threads)
     data = make_shapes(experiment.data)
     torch.manual_seed(args.seed)
@@ -130,20 +177,24 @@ def watch_training(args: argparse.Namespace) -> int:
             "this model has LayerScale off (init_values=off), so there are no gammas to watch; pass another "
             "init value, or run `timm-ls ablate` to compare training with and without LayerScale"
         )
-    inits = sorted({v for pair in model.config.layer_init_values for v in pair if v is not None})
-    params = sum(p.numel() for p in model.parameters())
-    shrink = " ".join(f"{k}={v}" for k, v in overrides.items())
-    if not args.json:
-        print(
-            f"{WHAT_IS_A_GAMMA}\n\n"
-            f"model: {name} shrunk to train on CPU ({shrink}); {params / 1e6:.2f}M parameters; "
-            f"LayerScale init {', '.join(f'{v:g}' for v in inits)}\n"
-            f"weights: random (seed {args.seed}); nothing pretrained or downloaded\n"
-            f"data: {experiment.data.describe()}\n"
-            f"training: {experiment.train.describe()}; experiment {experiment.source}",
-            flush=True,
-        )
     loss_before, acc_before = evaluate(model, data.test_images, data.test_labels)
+    return _Run(name, overrides, model, data, before, loss_before, acc_before, plot)
+
+
+def _introduction(args: argparse.Namespace, experiment: Experiment, run: _Run) -> str:
+    inits = sorted({v for pair in run.model.config.layer_init_values for v in pair if v is not None})
+    return (
+        f"{WHAT_IS_A_GAMMA}\n\n"
+        f"model: {run.name} shrunk to train on CPU ({run.shrink}); {run.parameters / 1e6:.2f}M parameters; "
+        f"LayerScale init {', '.join(f'{v:g}' for v in inits)}\n"
+        f"weights: random (seed {args.seed}); nothing pretrained or downloaded\n"
+        f"data: {experiment.data.describe()}\n"
+        f"training: {experiment.train.describe()}; experiment {experiment.source}"
+    )
+
+
+def _train(args: argparse.Namespace, experiment: Experiment, run: _Run) -> None:
+    """The training steps behind a progress bar on stderr; a warning if the loss diverged."""
     start = time.perf_counter()
     with tqdm(total=experiment.train.steps, desc="training", unit="step", file=sys.stderr, disable=None) as bar:
 
@@ -152,69 +203,65 @@ def watch_training(args: argparse.Namespace) -> int:
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
 
-        result = train(model, data, experiment.train, seed=args.seed, on_step=on_step)
-    seconds = time.perf_counter() - start
-    if result.diverged_at is not None:
-        warn(f"the training loss became NaN or Inf at step {result.diverged_at}; try a lower lr in {args.config}")
-    after = _gammas(model)
-    changes = _gamma_changes(before, after)
-    last = result.history[-1] if result.history else dict(step=0, test_loss=math.nan, test_acc=math.nan)
-    title = f"{name} ({shrink}), {experiment.train.steps} steps on generated shapes"
-    plot_line = draw(plot, gamma_stats(after), title, before=gamma_stats(before))
+        run.result = train(run.model, run.data, experiment.train, seed=args.seed, on_step=on_step)
+    run.seconds = time.perf_counter() - start
+    if run.result.diverged_at is not None:
+        warn(f"the training loss became NaN or Inf at step {run.result.diverged_at}; try a lower lr in {args.config}")
 
-    if args.json:
-        gammas = [
-            dict(
-                block=label,
-                **{
-                    b: None if c is None else dict(before=asdict(c[0]), after=asdict(c[1]), moved=c[2])
-                    for b, c in branches.items()
-                },
-            )
-            for label, branches in changes
-        ]
-        report = dict(
-            model=name,
-            model_kwargs=overrides,
-            parameters=params,
-            weights=f"random (seed {args.seed})",
-            data=asdict(experiment.data),
-            train=asdict(experiment.train),
-            seconds=round(seconds, 2),
-            diverged_at=result.diverged_at,
-            accuracy=dict(before=acc_before, after=last["test_acc"], chance=1 / data.num_classes),
-            loss=dict(before=loss_before, after=last["test_loss"]),
-            history=result.history,
-            gammas=gammas,
-            plot=str(plot) if plot_line else None,
+
+def _json_report(args: argparse.Namespace, experiment: Experiment, run: _Run, changes: list, plot_line: str) -> dict:
+    gammas = [
+        dict(
+            block=label,
+            **{
+                b: None if c is None else dict(before=asdict(c[0]), after=asdict(c[1]), moved=c[2])
+                for b, c in branches.items()
+            },
         )
-        print(json.dumps(report, indent=1))
-        return 0
-
-    print(
-        f"held-out accuracy: {acc_before:.1%} before training (chance {1 / data.num_classes:.1%}), "
-        f"{last['test_acc']:.1%} after {last['step']} steps ({seconds:.0f} s)"
+        for label, branches in changes
+    ]
+    return dict(
+        model=run.name,
+        model_kwargs=run.overrides,
+        parameters=run.parameters,
+        weights=f"random (seed {args.seed})",
+        data=asdict(experiment.data),
+        train=asdict(experiment.train),
+        seconds=round(run.seconds, 2),
+        diverged_at=run.result.diverged_at,
+        accuracy=dict(before=run.acc_before, after=run.last["test_acc"], chance=1 / run.data.num_classes),
+        loss=dict(before=run.loss_before, after=run.last["test_loss"]),
+        history=run.result.history,
+        gammas=gammas,
+        plot=str(run.plot) if plot_line else None,
     )
+
+
+def _text_report(run: _Run, changes: list, plot_line: str) -> str:
+    last = run.last
     rows = []
     for label, branches in changes:
         row = [label]
         for c in branches.values():
             row += ["off", "", ""] if c is None else [fmt(c[0].mean), fmt(c[1].mean), fmt(c[2])]
         rows.append(row)
-    print("\nLayerScale gammas, mean |gamma| over each branch's channels; moved: mean |after - before|")
-    print(table(["block", "attn before", "after", "moved", "mlp before", "after", "moved"], rows))
     loudest = max(
         ((label, b, c[1].mean) for label, branches in changes for b, c in branches.items() if c is not None),
         key=lambda t: t[2],
     )
-    print(f"loudest branch now: block {loudest[0]} {loudest[1]} (mean |gamma| {loudest[2]:.3g})")
-    if plot_line:
-        print(plot_line)
-    print(
-        "\nnext: `timm-ls --pretrained` shows the gammas DINOv3 learned in pretraining, `timm-ls inspect FILE` "
-        "those of any checkpoint, `timm-ls ablate` compares training with and without LayerScale"
-    )
-    return 0
+    lines = [
+        f"held-out accuracy: {run.acc_before:.1%} before training (chance {1 / run.data.num_classes:.1%}), "
+        f"{last['test_acc']:.1%} after {last['step']} steps ({run.seconds:.0f} s)",
+        "",
+        "LayerScale gammas, mean |gamma| over each branch's channels; moved: mean |after - before|",
+        table(["block", "attn before", "after", "moved", "mlp before", "after", "moved"], rows),
+        f"loudest branch now: {block_name(loudest[0])} {loudest[1]} (mean |gamma| {loudest[2]:.3g})",
+        *([plot_line] if plot_line else []),
+        "",
+        "next: `timm-ls --pretrained` shows the gammas DINOv3 learned in pretraining, `timm-ls inspect FILE` "
+        "those of any checkpoint, `timm-ls ablate` compares training with and without LayerScale",
+    ]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ weights

@@ -47,7 +47,7 @@ def draw(path: Path | None, blocks: list[BlockGammas], title: str, before: list[
         plot_gammas(blocks, path, title, before=before)
     except PlottingUnavailable as exc:  # found but not importable
         raise CliError(str(exc)) from None
-    return f"plot: {path} (mean |gamma| per block, log scale; band from min to max over channels)"
+    return f"plot: {path} (mean |gamma| per block, log scale; bars from min to max over channels)"
 
 
 def stats_table(blocks: list[BlockGammas]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -17,19 +18,21 @@ from pathlib import Path
 import huggingface_hub
 import timm
 import torch
-from huggingface_hub import constants
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
 from ..checkpoints.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
-from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, find_gamma_keys, gamma_stats
+from ..hub import unreachable_reason
+from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
 from ..variants import VARIANTS
-from .common import CliError, hub_unreachable, is_variant_file, parse_model_kwargs, quiet_hub
+from .common import CliError, is_variant_file, parse_model_kwargs, quiet_hub
 from .common import resolve_variant as resolve_vit_ls
 from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
 
 HUB_FILES = ("model.safetensors", "pytorch_model.bin")
 RANDOM_BUILD_LIMIT = 1_500_000_000  # parameters: larger random models are described from their config only
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
+# A transformer block's attention in any layout (Meta, timm, transformers): a model without one has no LayerScale.
+ATTENTION_KEY = re.compile(r"\.\d+\.(attn|attention|self_attn)\.")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -109,7 +112,7 @@ def _download(name: str) -> tuple[str, str]:
             not_local = not isinstance(exc, LocalEntryNotFoundError)
             if isinstance(exc, EntryNotFoundError) and not_local:
                 continue  # the Hub answered: this repo has no such file
-            unreachable = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else hub_unreachable(exc)
+            unreachable = unreachable_reason(exc)
             if unreachable is None and not_local:
                 raise CliError(f"--pretrained: cannot download {hub_id}: {' '.join(str(exc).split())[:300]}") from None
             raise CliError(
@@ -194,10 +197,11 @@ def _summary(blocks: list[BlockGammas]) -> list[str]:
             continue
         low, high = min(stats, key=lambda t: t[1].mean), max(stats, key=lambda t: t[1].mean)
         muted = sum(s.muted * s.channels for _, s in stats) / sum(s.channels for _, s in stats)
-        lines.append(
-            f"{branch}: mean |gamma| from {low[1].mean:.3g} (block {low[0]}) to {high[1].mean:.3g} "
-            f"(block {high[0]}); {muted:.1%} of channels muted"
-        )
+        if fmt(low[1].mean) == fmt(high[1].mean):
+            spread = f"{fmt(low[1].mean)} in every block"
+        else:
+            spread = f"from {fmt(low[1].mean)} ({block_name(low[0])}) to {fmt(high[1].mean)} ({block_name(high[0])})"
+        lines.append(f"{branch}: mean |gamma| {spread}; {muted:.1%} of channels muted")
     return lines
 
 
@@ -218,6 +222,11 @@ def inspect(args: argparse.Namespace) -> int:
         keys, spellings = find_gamma_keys(list(tensors))
         blocks = gamma_stats(tensors)
         total = len(tensors)
+    if not blocks and not any(ATTENTION_KEY.search(k) for k in tensors):
+        raise CliError(
+            f"{about['source']} has no LayerScale blocks: it has no transformer blocks with attention (keys "
+            f"like blocks.N.attn.*), so no gammas to show; inspect a ViT with LayerScale (deit3_*, cait_*, vit_ls_*)"
+        )
     if not blocks:
         raise CliError(
             f"{about['source']} has no LayerScale gammas (keys like blocks.N.ls1.gamma, blocks.N.gamma_1 or "

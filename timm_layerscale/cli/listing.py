@@ -1,24 +1,41 @@
-"""`timm-ls list`: the registered variants with their size, pretrained tags and YAML file."""
+"""`timm-ls list`: the registered variants with their size and pretrained tags; `--json` adds Hub repos and files."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import timm
 
-from ..variants import VARIANTS
+from ..variants import VARIANTS, config_dir
 from .common import table
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    commands.add_parser("list", help="list the registered variants").set_defaults(func=list_variants)
+    parser = commands.add_parser("list", help="list the registered variants")
+    parser.add_argument("--json", action="store_true", help="print every tag's Hub repo and each YAML file as JSON")
+    parser.set_defaults(func=list_variants)
+
+
+def _shipped(source: str) -> bool:
+    return Path(source).resolve().parent == config_dir().resolve()
 
 
 def list_variants(args: argparse.Namespace) -> int:
-    rows = []
+    found = []
     for name, variant in sorted(VARIANTS.items()):
         params = sum(p.numel() for p in timm.create_model(name, device="meta").parameters())
-        tags = ", ".join(f"{tag} ({cfg.get('hf_hub_id', 'no hub id')})" for tag, cfg in variant.tags.items())
-        rows.append([name, f"{params / 1e6:,.1f}M", variant.source, tags or "-"])
-    print(table(["variant", "params", "config", "pretrained tags"], rows))
+        tags = {tag: cfg.get("hf_hub_id") for tag, cfg in variant.tags.items()}
+        found.append(dict(name=name, params=params, tags=tags, config=variant.source, shipped=_shipped(variant.source)))
+    if args.json:
+        print(json.dumps(found, indent=1))
+        return 0
+    header = ["variant", "params", "pretrained tags"]
+    rows = [[v["name"], f"{v['params'] / 1e6:,.1f}M", ", ".join(v["tags"]) or "-"] for v in found]
+    if not all(v["shipped"] for v in found):  # a variant registered from the user's own YAML says which file
+        header.append("config")
+        rows = [[*row, "" if v["shipped"] else v["config"]] for row, v in zip(rows, found)]
+    print(table(header, rows))
+    print("Hub repos and YAML files: timm-ls list --json")
     return 0

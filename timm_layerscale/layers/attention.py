@@ -1,8 +1,26 @@
 import torch
 import torch.nn.functional as F
+from timm.layers import register_notrace_function
 from torch import nn
 
-from .rope import apply_rope
+from .rope import apply_rope, apply_rope_low_precision
+
+
+# One call in every FX graph (torch.fx.wrap for any tracer, timm's list for timm's): the path depends on the
+# dtype, and it adds into views in place.
+@torch.fx.wrap
+@register_notrace_function
+def rotate_queries_keys(qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE on the stacked q/k slice of qkv `[batch, tokens, 2, heads, head_dim]`, q and k in one pass.
+
+    fp32 takes `apply_rope`, exact to Meta's; bf16 and fp16 take its fewer-pass form, which without autograd
+    writes the result back into qkv: a third copy of q and k would otherwise make RoPE the forward's peak.
+    """
+    sin, cos = rope
+    rope = (sin[:, None, None], cos[:, None, None])
+    if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:
+        return apply_rope_low_precision(qk, rope, out=None if torch.is_grad_enabled() else qk)
+    return apply_rope(qk, rope)
 
 
 class KMaskedBiasLinear(nn.Linear):
@@ -53,8 +71,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim)
         qk, v = qkv[:, :, :2], qkv[:, :, 2]
         if rope is not None:
-            sin, cos = rope
-            qk = apply_rope(qk, (sin[:, None, None], cos[:, None, None]))  # q and k rotated together
+            qk = rotate_queries_keys(qk, rope)
         q, k = qk.unbind(2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)

@@ -11,7 +11,8 @@ from .layer_scale import layer_scale_or_identity
 Rope = tuple[torch.Tensor, torch.Tensor] | None
 
 
-@register_notrace_function  # FX records one call: the subset size is a Python number
+@torch.fx.wrap  # one call in every FX graph (timm's tracer reads its own list): the subset size is a number
+@register_notrace_function
 def random_subset(x: torch.Tensor, drop_rate: float) -> tuple[torch.Tensor, float]:
     """Random sample indices that keep `1 - drop_rate` of the batch (at least one), and batch / kept."""
     batch = x.shape[0]

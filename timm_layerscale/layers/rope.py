@@ -8,7 +8,7 @@ both normalised to [-1, 1] over the patch grid.
 import math
 
 import torch
-from timm.layers import register_notrace_module
+from timm.layers import register_notrace_function
 from torch import nn
 
 from ..config import NORMALIZE_COORDS
@@ -18,7 +18,24 @@ def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).to(t.dtype)
 
 
-@register_notrace_module  # FX keeps it as one call: its sizes are Python numbers, known at run time
+# One call in every FX graph (torch.fx.wrap for any tracer, timm's list for timm's): "max" and "min" compare
+# the sides as Python numbers, known only at run time, so a traced graph works at any size.
+@torch.fx.wrap
+@register_notrace_function
+def patch_centre_coords(height: int, width: int, normalize_coords: str, like: torch.Tensor) -> torch.Tensor:
+    """Patch centres `[height * width, 2]` (y, x) in fp32 on `like`'s device, normalised to [-1, 1] per side
+    as `normalize_coords` says."""
+    if normalize_coords == "separate":
+        h_den, w_den = height, width
+    else:
+        h_den = w_den = max(height, width) if normalize_coords == "max" else min(height, width)
+    # `arange(n) + 0.5` equals `arange(0.5, n)` and keeps the length symbolic for torch.export.
+    coords_h = (torch.arange(height, device=like.device, dtype=torch.float32) + 0.5) / h_den
+    coords_w = (torch.arange(width, device=like.device, dtype=torch.float32) + 0.5) / w_den
+    coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
+    return 2.0 * coords - 1.0
+
+
 class RopeEmbedding(nn.Module):
     def __init__(
         self,
@@ -64,25 +81,18 @@ class RopeEmbedding(nn.Module):
         self.periods.copy_(bf16_rounded(periods) if self.round_periods_to_bf16 else periods)
 
     def _coords(self, height: int, width: int) -> torch.Tensor:
-        if self.normalize_coords == "separate":
-            h_den, w_den = height, width
-        else:
-            h_den = w_den = max(height, width) if self.normalize_coords == "max" else min(height, width)
-        # `arange(n) + 0.5` equals `arange(0.5, n)` and keeps the length symbolic for torch.export.
-        coords_h = (torch.arange(height, device=self.periods.device, dtype=torch.float32) + 0.5) / h_den
-        coords_w = (torch.arange(width, device=self.periods.device, dtype=torch.float32) + 0.5) / w_den
-        coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
-        coords = 2.0 * coords - 1.0
+        # Tensors are made from `coords` and `periods` is used whole, never indexed: under FX these stay
+        # graph nodes, where a draw or a slice of a buffer would be computed once at trace time and frozen.
+        coords = patch_centre_coords(height, width, self.normalize_coords, self.periods)
         if self.training:
-            # `periods` is always fp32: new_empty draws fp32 on its device.
             if self.shift_coords is not None:
-                coords = coords + self.periods.new_empty(2).uniform_(-self.shift_coords, self.shift_coords)
+                coords = coords + coords.new_empty(2).uniform_(-self.shift_coords, self.shift_coords)
             if self.jitter_coords is not None:
                 log_j = math.log(self.jitter_coords)
-                coords = coords * self.periods.new_empty(2).uniform_(-log_j, log_j).exp()
+                coords = coords * coords.new_empty(2).uniform_(-log_j, log_j).exp()
             if self.rescale_coords is not None:
                 log_r = math.log(self.rescale_coords)
-                coords = coords * self.periods.new_empty(1).uniform_(-log_r, log_r).exp()
+                coords = coords * coords.new_empty(1).uniform_(-log_r, log_r).exp()
         return coords
 
     def forward(self, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +101,7 @@ class RopeEmbedding(nn.Module):
         Prefix tokens get the identity rotation (sin 0, cos 1), so attention rotates all tokens at once.
         The sin's first half is negated: `rotate_half(x) * sin == x.roll(half) * signed_sin`, one kernel less.
         """
-        angles = 2 * math.pi * self._coords(height, width)[:, :, None] / self.periods.float()[None, None, :]
+        angles = 2 * math.pi * self._coords(height, width)[:, :, None] / self.periods.float()
         angles = angles.flatten(1, 2)
         angles = torch.cat([angles.new_zeros(self.num_prefix_tokens, angles.shape[1]), angles])
         sin, cos = angles.sin(), angles.cos()
@@ -106,5 +116,28 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     exact, so the values are those of `x.float()`), which keeps low-precision activations small.
     """
     signed_sin, cos = rope
-    rotated = x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    half = x.shape[-1] // 2
+    # The halves swapped by one cat: `roll` would first copy a strided `x` (the q/k slice of qkv) whole.
+    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
     return (x * cos).add_(rotated).to(x.dtype)
+
+
+def apply_rope_low_precision(
+    x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`apply_rope` for bf16/fp16 `x` in four kernels instead of five, with one fp32 temporary instead of two.
+
+    Each half's sine term is multiplied and added into the fp32 `x * cos` in one pass (`addcmul_`), so the
+    swapped copy of `x` and the second fp32 product never exist. The sum may be fused (FMA) where
+    `apply_rope` rounds the product first, so the fp32 value can differ in its last bit; after rounding to
+    `x`'s dtype it is `apply_rope`'s value or one unit off. fp32 inputs keep `apply_rope` (Meta's exactly).
+    `out` (which may be `x` itself: it is written after the last read) receives the result in place.
+    """
+    signed_sin, cos = rope
+    half = x.shape[-1] // 2
+    rotated = x * cos
+    rotated[..., :half].addcmul_(x[..., half:], signed_sin[..., :half])
+    rotated[..., half:].addcmul_(x[..., :half], signed_sin[..., half:])
+    if out is None:
+        return rotated.to(x.dtype)
+    return out.copy_(rotated)

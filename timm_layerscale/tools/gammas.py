@@ -11,14 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..checkpoints.gamma_keys import BRANCHES, SPELLING_PATTERNS
+
 MUTED_BELOW = 1e-3
-BRANCHES = ("attn", "mlp")
-# Spellings of a block's LayerScale parameter after `<stack>.<block>.`; the group is the branch (1 attn, 2 mlp).
-GAMMA_SPELLINGS = {
-    "lsN.gamma": re.compile(r"ls([12])\.gamma"),  # ours, Meta DINOv2/DINOv3, timm vision_transformer (DeiT-III)
-    "gamma_N": re.compile(r"gamma_([12])"),  # timm eva and cait, the original DeiT-III and CaiT
-    "layer_scaleN.lambda1": re.compile(r"layer_scale([12])\.lambda1"),  # transformers DINOv2/DINOv3
-}
 BLOCK_KEY = re.compile(r"^(?P<stack>(?:.+\.)?[A-Za-z_]\w*)\.(?P<index>\d+)\.(?P<rest>.+)$")
 
 
@@ -35,10 +30,10 @@ class BranchStats:
 
     @classmethod
     def of(cls, gamma: torch.Tensor) -> BranchStats:
-        g = gamma.detach().float().abs().flatten()
+        g = gamma.detach().double().abs().flatten()  # float64: a float32 mean of equal values can fall below them
         median = g.sort().values[(len(g) - 1) // 2 : len(g) // 2 + 1].mean()  # the middle one or two
         values = (g.mean(), median, g.min(), g.max(), (g < MUTED_BELOW).double().mean())
-        mean, median, low, high, muted = (float(f"{v.item():.7g}") for v in values)  # float32's own digits
+        mean, median, low, high, muted = (float(f"{v.item():.7g}") for v in values)  # float32's digits
         return cls(mean=mean, median=median, min=low, max=high, muted=muted, channels=len(g))
 
 
@@ -73,7 +68,7 @@ def find_gamma_keys(keys: list[str]) -> tuple[dict[tuple[str, int], dict[str, st
             continue
         stack, index = match["stack"], int(match["index"])
         blocks.setdefault(stack, set()).add(index)
-        for spelling, pattern in GAMMA_SPELLINGS.items():
+        for spelling, pattern in SPELLING_PATTERNS.items():
             if branch := pattern.fullmatch(match["rest"]):
                 found.setdefault((stack, index), {})[BRANCHES[int(branch[1]) - 1]] = key
                 if spelling not in spellings:
@@ -93,6 +88,11 @@ def gamma_stats(tensors: Mapping[str, torch.Tensor]) -> list[BlockGammas]:
         label = f"{stack.rsplit('.', 1)[-1]}.{index}" if several_stacks else str(index)
         result.append(BlockGammas(label, f"{stack}.{index}", stats.get("attn"), stats.get("mlp")))
     return result
+
+
+def block_name(label: str) -> str:
+    """`block 3` for a plain index, the label alone where it names its stack (CaiT's `blocks_token_only.0`)."""
+    return f"block {label}" if label.isdigit() else label
 
 
 def fmt(value: float | None) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import math
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,30 +56,73 @@ def _floor(values: Sequence[float]) -> list[float]:
     return [max(v, FLOOR) for v in values]
 
 
+# Each branch keeps its own marker, line style and horizontal offset, so that two equal series (every gamma
+# still at its init, say) lie side by side instead of one hiding the other, and their bars never blend.
+STYLE = {
+    "attn": dict(marker="o", linestyle="-", offset=-0.14),
+    "mlp": dict(marker="s", linestyle="--", offset=0.14),
+}
+BEFORE_LINESTYLE = {"attn": ":", "mlp": "-."}
+MIN_DECADES = 2  # a log axis spanning fewer shows only minor ticks, whose labels can all read the same
+
+
+def log_limits(values: Sequence[float]) -> tuple[float, float]:
+    """y limits around `values` spanning at least MIN_DECADES decades: a flat series gets labelled powers of ten."""
+    low, high = min(values), max(values)
+    centre = math.sqrt(low * high)
+    half = max(math.sqrt(high / low), 10 ** (MIN_DECADES / 2)) * 1.25
+    return centre / half, centre * half
+
+
+def _block_ticks(ax, labels: list[str]) -> None:
+    """Tick labels that never overlap: block names (CaiT's `blocks_token_only.1`) run vertically, all up to 40."""
+    names = any(not label.isdigit() for label in labels)
+    step = math.ceil(len(labels) / (40 if names else 20))
+    positions = list(range(len(labels)))[::step]
+    ax.set_xticks(positions, labels[::step], rotation=90 if names else 0, fontsize=8 if names else None)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+
+
 def gamma_figure(blocks: Sequence[BlockGammas], title: str, before: Sequence[BlockGammas] | None = None):
-    """Mean |gamma| per block for each branch, a band from min to max, and `before` as dashed lines."""
-    fig = _figure(figsize=(7.5, 4), layout="tight")
+    """Mean |gamma| per block for each branch with a bar from min to max over its channels, and `before`
+    as hollow markers on dotted lines; the legend sits beside the axes, off the data."""
+    fig = _figure(figsize=(8.5, 4.2), layout="constrained")
     ax = fig.subplots()
-    x = list(range(len(blocks)))
+    drawn: list[float] = []
     for branch in BRANCHES:
-        xs = [i for i in x if blocks[i].branch(branch) is not None]
-        if not xs:
+        at = [i for i, block in enumerate(blocks) if block.branch(branch) is not None]
+        if not at:
             continue
-        stats = [blocks[i].branch(branch) for i in xs]
-        colour = COLOURS[branch]
-        ax.fill_between(xs, _floor([s.min for s in stats]), _floor([s.max for s in stats]), color=colour, alpha=0.18)
-        ax.plot(xs, _floor([s.mean for s in stats]), "o-", ms=3, color=colour, label=f"{branch} mean |gamma|")
+        stats = [blocks[i].branch(branch) for i in at]
+        style, colour = STYLE[branch], COLOURS[branch]
+        xs = [i + style["offset"] for i in at]
+        low, mean, high = (_floor([getattr(s, field) for s in stats]) for field in ("min", "mean", "max"))
+        ax.vlines(xs, low, high, colors=colour, linewidth=3, alpha=0.35)
+        ax.plot(
+            xs, mean, marker=style["marker"], ls=style["linestyle"], ms=4, color=colour, label=f"{branch} mean |gamma|"
+        )
+        drawn += low + mean + high
         if before is not None:
-            old = _floor([before[i].branch(branch).mean for i in xs])
-            ax.plot(xs, old, "--", color=colour, alpha=0.7, label=f"{branch} before")
+            old = _floor([before[i].branch(branch).mean for i in at])
+            ax.plot(
+                xs,
+                old,
+                marker=style["marker"],
+                mfc="none",
+                ms=6,
+                ls=BEFORE_LINESTYLE[branch],
+                color=colour,
+                label=f"{branch} before",
+            )
+            drawn += old
     ax.set_yscale("log")
+    ax.set_ylim(*log_limits(drawn))
     ax.set_xlabel("block")
-    ax.set_ylabel("|gamma| (band: min to max over channels)")
-    step = max(1, len(x) // 16)
-    ax.set_xticks(x[::step], [b.label for b in blocks][::step])
-    ax.set_title(_wrap(title), fontsize=9)
+    ax.set_ylabel("|gamma| (bar: min to max over channels)")
+    _block_ticks(ax, [b.label for b in blocks])
+    ax.set_title(_wrap(title, 75), fontsize=9)  # the legend takes the figure's right edge
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    fig.legend(loc="outside right upper", fontsize=8)
     return fig
 
 
@@ -94,20 +138,20 @@ def curves_figure(runs: dict[str, list[dict[str, float]]], title: str, gammas: d
     at the end. `runs` maps a label to rows with `step`, `train_loss`, `test_acc` (one per seed and step).
     """
     panels = 3 if gammas else 2
-    fig = _figure(figsize=(4.6 * panels, 3.8), layout="tight")
+    fig = _figure(figsize=(4.6 * panels + 1, 3.8), layout="constrained")
     axes = fig.subplots(1, panels)
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray"]
     colours = {label: palette[i % len(palette)] for i, label in enumerate(runs)}
     for label, rows in runs.items():
         steps = sorted({r["step"] for r in rows})
-        for ax, metric in zip(axes, ("train_loss", "test_acc")):
-            by_step = [[r[metric] for r in rows if r["step"] == s] for s in steps]
+        for ax, metric, scale in zip(axes, ("train_loss", "test_acc"), (1, 100)):
+            by_step = [[r[metric] * scale for r in rows if r["step"] == s] for s in steps]
             ax.plot(steps, [sum(v) / len(v) for v in by_step], "-", color=colours[label], label=label)
             if any(len(v) > 1 for v in by_step):
                 low, high = [min(v) for v in by_step], [max(v) for v in by_step]
                 ax.fill_between(steps, low, high, color=colours[label], alpha=0.2)
     axes[0].set_ylabel("training loss")
-    axes[1].set_ylabel("held-out accuracy")
+    axes[1].set_ylabel("held-out accuracy (%)")
     for ax in axes[:2]:
         ax.set_xlabel("step")
     if gammas:
@@ -118,7 +162,7 @@ def curves_figure(runs: dict[str, list[dict[str, float]]], title: str, gammas: d
         axes[2].set_ylabel("mean |gamma| at the end")
     for ax in axes:
         ax.grid(True, alpha=0.3)
-    axes[1].legend(title="init_values", fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), title="init_values", fontsize=8, loc="outside right upper")
     fig.suptitle(_wrap(title, 120), fontsize=9)
     return fig
 

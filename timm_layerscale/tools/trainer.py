@@ -28,6 +28,17 @@ class TrainConfig:
             f"then cosine to 0), weight decay {self.weight_decay:g} (not on gammas, norms, biases, tokens)"
         )
 
+    def short_warmup_note(self) -> str | None:
+        """One line when the run ends inside its warmup: the learning rate never reaches its peak."""
+        if self.steps >= self.warmup:
+            return None
+        top = lr_at(self.steps - 1, self) if self.steps else 0.0
+        return (
+            f"training stops at step {self.steps}, inside the {self.warmup}-step warmup: the learning rate climbs "
+            f"to {top:.2g}, "
+            f"never to its peak {self.lr:g}, and never decays; give more steps or a shorter warmup"
+        )
+
 
 @dataclass
 class TrainResult:

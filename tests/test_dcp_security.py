@@ -1,0 +1,389 @@
+"""DCP `.metadata` pickles that bend the unpickler's allow-list: each refused before it changes anything.
+
+The allowed globals are real classes and functions, so a pickle may try to operate on them rather than on
+instances: BUILD on `PurePosixPath` itself rewrites `.name` for the whole process, BUILD on a function or
+an enum member sets attributes every later user sees, REDUCE calls an allowed class with arguments DCP never
+passes. Each attack is a few opcodes written here by hand, put before, or spliced deep inside, the real
+`.metadata` of a folder that torch.distributed.checkpoint saved, and run through `timm-ls convert` and
+`timm-ls inspect` in one separate process (tests/dcp_attacks.py), which then compares every attribute of
+pathlib, torch and the allowed classes and functions with what they were before.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import pickletools
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import TINY, Exploit, move_off_init_
+from torch.distributed.checkpoint.api import CheckpointException
+
+from timm_layerscale.checkpoints import CheckpointError
+from timm_layerscale.checkpoints.dcp import _dataclasses, read_metadata, tensors_only_planner
+from timm_layerscale.checkpoints.reader import open_checkpoint
+
+NAME = "vit_ls_small_patch16_dinov3"
+CONVERT = ["--model", NAME, "--model-kwargs", *(f"{k}={v}" for k, v in TINY.items())]
+METADATA = "torch.distributed.checkpoint.metadata"
+DATACLASSES = [(cls.__module__, cls.__name__) for cls in _dataclasses()]  # each allowed to be built
+
+
+# ------------------------------------------------------------------------------------ opcodes by hand
+
+
+def glob(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def text(value: str) -> bytes:
+    data = value.encode()
+    return pickle.BINUNICODE + struct.pack("<I", len(data)) + data
+
+
+def integer(value: int) -> bytes:
+    return pickle.BININT + struct.pack("<i", value)
+
+
+def tup(*items: bytes) -> bytes:
+    return pickle.MARK + b"".join(items) + pickle.TUPLE
+
+
+def dct(**items: bytes) -> bytes:
+    pairs = b"".join(text(k) + v for k, v in items.items())
+    return pickle.EMPTY_DICT + (pickle.MARK + pairs + pickle.SETITEMS if items else b"")
+
+
+def lst(*items: bytes) -> bytes:
+    return pickle.EMPTY_LIST + (pickle.MARK + b"".join(items) + pickle.APPENDS if items else b"")
+
+
+def call(func: bytes, *args: bytes) -> bytes:
+    return func + tup(*args) + pickle.REDUCE
+
+
+def new(cls: bytes) -> bytes:
+    return cls + pickle.EMPTY_TUPLE + pickle.NEWOBJ
+
+
+def build(target: bytes, state: bytes) -> bytes:
+    return target + state + pickle.BUILD
+
+
+def slots(**items: bytes) -> bytes:
+    """A (state, slotstate) pair: pickle sets each slotstate item with setattr, on whatever the target is."""
+    return tup(pickle.NONE, dct(**items))
+
+
+SIZE = glob("torch", "Size")
+LAYOUT = glob("torch.serialization", "_get_layout")
+MEM_FORMAT = glob(METADATA, "_MEM_FORMAT_ENCODING")
+POSIX = glob("pathlib", "PurePosixPath")
+MARKED = dict(pwned=integer(1))
+
+# Objects an attack may reach: the allowed classes and functions, and the shared instances they return.
+TARGETS: dict[str, bytes] = {
+    "PurePosixPath": POSIX,
+    "PosixPath": glob("pathlib", "PosixPath"),
+    "PureWindowsPath": glob("pathlib", "PureWindowsPath"),
+    **{name: glob(module, name) for module, name in DATACLASSES},
+    "_MEM_FORMAT_ENCODING": MEM_FORMAT,
+    "torch.Size": SIZE,
+    "_get_layout": LAYOUT,
+    "torch.float32": glob("torch", "float32"),
+    "torch.strided": call(LAYOUT, text("torch.strided")),
+    "a memory format member": call(MEM_FORMAT, integer(0)),
+    "a torch.Size": call(SIZE, tup(integer(1))),
+    "a PurePosixPath": call(POSIX, text("a")),
+}
+
+# name -> (opcodes that leave one object on the stack, what the refusal says)
+ATTACKS: dict[str, tuple[bytes, str]] = {
+    "BUILD PurePosixPath name": (
+        build(POSIX, slots(name=text("../x.distcp"))),
+        "sets the state of the class pathlib.PurePosixPath (pickle BUILD)",
+    ),
+    **{f"BUILD {name} slots": (build(target, slots(**MARKED)), "(pickle BUILD)") for name, target in TARGETS.items()},
+    **{f"BUILD {name} dict": (build(target, dct(**MARKED)), "(pickle BUILD)") for name, target in TARGETS.items()},
+    "BUILD an instance, unknown field": (
+        build(new(glob(METADATA, "StorageMeta")), dct(**MARKED)),
+        "gives a StorageMeta 'pwned', not its fields (pickle BUILD)",
+    ),
+    "BUILD an instance, fields and slots": (
+        build(new(glob(METADATA, "StorageMeta")), tup(dct(save_id=text("x")), dct(**MARKED))),
+        "gives a StorageMeta ({'save_id': 'x'}, {'pwned': 1}), not its fields (pickle BUILD)",
+    ),
+    "BUILD an instance twice": (
+        build(build(new(glob(METADATA, "StorageMeta")), dct(save_id=text("x"))), dct(save_id=text("y"))),
+        "sets the state of a torch.distributed.checkpoint.metadata.StorageMeta again (pickle BUILD)",
+    ),
+    "BUILD TensorProperties, short tuple": (
+        build(new(glob(METADATA, "TensorProperties")), tup(glob("torch", "float32"))),
+        "gives a TensorProperties the state",
+    ),
+    "BUILD TensorProperties, a list": (
+        build(new(glob(METADATA, "TensorProperties")), lst(*[pickle.NONE] * 5)),
+        "gives a TensorProperties the state [None, None, None, None, None] (pickle BUILD)",
+    ),
+    "NEWOBJ PurePosixPath": (new(POSIX), "creates an instance of the class pathlib.PurePosixPath (pickle NEWOBJ)"),
+    "NEWOBJ a dataclass with arguments": (
+        glob(METADATA, "Metadata") + tup(dct()) + pickle.NEWOBJ,
+        "creates a Metadata with arguments",
+    ),
+    "NEWOBJ_EX a dataclass with keywords": (
+        glob(METADATA, "StorageMeta") + pickle.EMPTY_TUPLE + dct(save_id=text("x")) + pickle.NEWOBJ_EX,
+        "creates a StorageMeta with arguments () and keywords {'save_id': 'x'} (pickle NEWOBJ)",
+    ),
+    "REDUCE torch.Size of strings": (call(SIZE, tup(text("a"))), "calls the class torch.Size with (('a',),)"),
+    "REDUCE torch.Size of a list": (call(SIZE, lst(integer(1))), "calls the class torch.Size with ([1],)"),
+    "REDUCE torch.Size with two args": (call(SIZE, tup(), tup()), "calls the class torch.Size with ((), ())"),
+    "REDUCE torch.Size with a list of args": (SIZE + lst() + pickle.REDUCE, "calls the class torch.Size with []"),
+    "REDUCE PurePosixPath of an int": (call(POSIX, integer(1)), "calls the class pathlib.PurePosixPath with (1,)"),
+    "REDUCE PurePosixPath with a list of args": (POSIX + lst(text("a")) + pickle.REDUCE, "PurePosixPath with ['a']"),
+    "REDUCE _get_layout with two args": (call(LAYOUT, text("torch.strided"), text("x")), "('torch.strided', 'x')"),
+    "REDUCE _MEM_FORMAT_ENCODING with two args": (call(MEM_FORMAT, integer(0), lst()), "ENCODING with (0, [])"),
+    "REDUCE _MEM_FORMAT_ENCODING makes an enum": (
+        call(MEM_FORMAT, text("X"), lst(text("A"))),
+        "calls the class torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING with ('X', ['A'])",
+    ),
+    "REDUCE _MEM_FORMAT_ENCODING of a bool": (call(MEM_FORMAT, pickle.NEWTRUE), "_MEM_FORMAT_ENCODING with (True,)"),
+    "REDUCE _get_layout of an int": (call(LAYOUT, integer(1)), "calls the function timm_layerscale."),
+    "REDUCE a dataclass": (call(glob(METADATA, "Metadata"), dct()), "calls the class torch.distributed."),
+    "REDUCE a dtype": (call(glob("torch", "float32")), "calls a torch.dtype (pickle REDUCE)"),
+    "SETITEM on a class": (POSIX + text("name") + text("x") + pickle.SETITEM, "sets an item of the class pathlib."),
+    "SETITEMS on a function": (
+        LAYOUT + pickle.MARK + text("pwned") + integer(1) + pickle.SETITEMS,
+        "sets items of the function timm_layerscale.checkpoints.dcp._layout",
+    ),
+    "SETITEMS on an instance": (
+        new(glob(METADATA, "StorageMeta")) + pickle.MARK + text("pwned") + integer(1) + pickle.SETITEMS,
+        "sets items of a torch.distributed.checkpoint.metadata.StorageMeta",
+    ),
+    "APPEND to a class": (SIZE + pickle.NONE + pickle.APPEND, "appends to the class torch.Size"),
+    "APPENDS to a class": (
+        glob(METADATA, "StorageMeta") + pickle.MARK + pickle.NONE + pickle.APPENDS,
+        "appends to the class torch.distributed.checkpoint.metadata.StorageMeta",
+    ),
+    "APPENDS to a torch.Size": (
+        call(SIZE, tup(integer(1))) + pickle.MARK + pickle.NONE + pickle.APPENDS,
+        "appends to a torch.Size",
+    ),
+    "ADDITEMS to a class": (POSIX + pickle.MARK + pickle.NONE + pickle.ADDITEMS, "adds to the class pathlib."),
+    "INST": (
+        pickle.MARK + pickle.INST + f"{METADATA}\nStorageMeta\n".encode(),
+        "instantiates a class by INST/OBJ",
+    ),
+    "OBJ": (pickle.MARK + glob(METADATA, "StorageMeta") + pickle.OBJ, "instantiates a class by INST/OBJ"),
+    "EXT1": (pickle.EXT1 + b"\x01", "takes an object from pickle's extension registry"),
+}
+
+# Where an attack goes in the real pickle: before the Metadata, as StorageMeta.save_id, or as the first
+# tensor's TensorProperties.requires_grad (Metadata -> dict -> TensorStorageMetadata -> its properties).
+PLACES = ("first", "save_id", "requires_grad")
+
+
+def splice(data: bytes, place: str, fragment: bytes) -> bytes:
+    """The real pickle with `fragment` put at `place`; the frame holding it is lengthened to match."""
+    ops = list(pickletools.genops(data))
+    starts = [pos for _, _, pos in ops] + [len(data)]
+    if place == "first":
+        index = 2  # after PROTO and FRAME; the object is popped again
+        replaced, new_bytes = (starts[2], starts[2]), fragment + pickle.POP
+    else:
+        if place == "save_id":
+            key = next(i for i, (op, arg, _) in enumerate(ops) if "UNICODE" in op.name and arg == "save_id")
+            index = next(i for i in range(key + 1, len(ops)) if "UNICODE" in ops[i][0].name)
+        else:
+            index = next(i for i, (op, _, _) in enumerate(ops) if op.name == "NEWFALSE")
+            assert any(arg == "TensorProperties" for _, arg, _ in ops[:index])
+        replaced, new_bytes = (starts[index], starts[index + 1]), fragment
+    out = data[: replaced[0]] + new_bytes + data[replaced[1] :]
+    delta = len(new_bytes) - (replaced[1] - replaced[0])
+    for op, length, pos in ops:
+        if op.name == "FRAME" and pos < replaced[0] < pos + 9 + length:
+            out = out[:pos] + pickle.FRAME + struct.pack("<Q", length + delta) + out[pos + 9 :]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- folders
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A DCP folder as a training loop saves one: a tiny model and the iteration."""
+    folder = tmp_path_factory.mktemp("dcp") / "ckpt"
+    torch.manual_seed(0)
+    model = move_off_init_(timm.create_model(NAME, num_classes=0, **TINY))
+    dcp.save({"model": model.state_dict(), "iteration": 7}, checkpoint_id=folder, no_dist=True)
+    return folder
+
+
+def with_metadata(saved: Path, folder: Path, data: bytes) -> Path:
+    shutil.copytree(saved, folder)
+    (folder / ".metadata").write_bytes(data)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def results(saved, tmp_path_factory) -> dict[str, dict]:
+    """Each case's exit codes, output and changes, from one process running every case in turn."""
+    root = tmp_path_factory.mktemp("attacks")
+    real = (saved / ".metadata").read_bytes()
+    cases = {"valid": str(saved)}
+    for place in PLACES:  # the splice alone keeps the metadata valid
+        cases[f"valid, {place} spliced"] = str(
+            with_metadata(saved, root / f"valid-{place}", splice(real, place, text("x")))
+        )
+    for n, (name, (fragment, _)) in enumerate(ATTACKS.items()):
+        for place in PLACES:
+            folder = with_metadata(saved, root / f"{n}-{place}", splice(real, place, fragment))
+            cases[f"{name} at {place}"] = str(folder)
+    (root / "out").mkdir()
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"cases": cases, "convert": CONVERT, "out": str(root / "out")}))
+    worker = Path(__file__).with_name("dcp_attacks.py")
+    subprocess.run([sys.executable, str(worker), str(plan), str(root / "results.json")], check=True, timeout=600)
+    return json.loads((root / "results.json").read_text())
+
+
+# ------------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("place", [None, *PLACES])
+def test_valid_metadata_still_reads(results, place):
+    case = results["valid" if place is None else f"valid, {place} spliced"]
+    assert case["convert"][0] == 0, case["convert"]
+    assert "\nconverted " in "\n" + case["convert"][1]
+    assert case["inspect"][0] == 0, case["inspect"]
+    assert "LayerScale: lsN.gamma in 2 blocks" in case["inspect"][1]
+    assert case["changed"] == [] and case["paths_work"]
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attack_is_refused_and_changes_nothing(results, tmp_path_factory, attack, place):
+    case = results[f"{attack} at {place}"]
+    expected = ATTACKS[attack][1]
+    for command in ("convert", "inspect"):
+        code, out, err = case[command]
+        assert (code, out) == (2, ""), (command, case[command])
+        assert err.startswith("timm-ls: error: refused to read ") and err.count("\n") == 1, err
+        assert "/.metadata: it " in err and err.endswith("; use a checkpoint you trust\n"), err
+        assert expected in err, err
+    assert case["changed"] == []
+    assert case["paths_work"]
+
+
+def test_refusals_name_what_was_asked(results):
+    """Not one catch-all line: each kind of attack says what it tried."""
+    err = results["BUILD _get_layout dict at save_id"]["convert"][2]
+    assert "sets the state of the function timm_layerscale.checkpoints.dcp._layout (pickle BUILD), which" in err
+    err = results["BUILD a memory format member slots at first"]["inspect"][2]
+    assert "sets the state of a torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING (pickle BUILD)" in err
+    assert "never does (nothing was changed)" in err
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_the_command_exits_2_with_one_line(saved, tmp_path, command):
+    """The realistic attack in its own interpreter: pathlib bent so that a data file outside the folder passes."""
+    real = (saved / ".metadata").read_bytes()
+    bent = splice(real, "save_id", build(POSIX, slots(name=text("../xy.distcp"))))
+    assert bent.count(b"\x8c\x0c__0_0.distcp") == 1  # the data file's one name; later items refer back to it
+    bent = bent.replace(b"\x8c\x0c__0_0.distcp", b"\x8c\x0c../xy.distcp")  # the same length: frames stay
+    folder = with_metadata(saved, tmp_path / "ckpt", bent)
+    shutil.copy(saved / "__0_0.distcp", tmp_path / "xy.distcp")
+    args = [folder, tmp_path / "out.pth", "--to", "meta", *CONVERT] if command == "convert" else [folder]
+    run = subprocess.run(
+        [sys.executable, "-m", "timm_layerscale.cli", command, *map(str, args)], capture_output=True, text=True
+    )
+    assert (run.returncode, run.stdout) == (2, "")
+    assert run.stderr == (
+        f"timm-ls: error: refused to read {folder / '.metadata'}: it sets the state of the class "
+        f"pathlib.PurePosixPath (pickle BUILD), which distributed checkpoint metadata never does (nothing was "
+        f"changed); use a checkpoint you trust\n"
+    )
+    assert not (tmp_path / "out.pth").exists()
+
+
+# -------------------------------------------------------------------------------- what else is refused
+
+
+def test_an_instance_needs_its_fields(saved, tmp_path):
+    data = b"\x80\x02" + build(new(glob(METADATA, "Metadata")), dct()) + pickle.STOP
+    folder = with_metadata(saved, tmp_path / "ckpt", data)
+    with pytest.raises(
+        CheckpointError, match=r"metadata \(UnpicklingError: a Metadata without its fields state_dict_metadata\)"
+    ):
+        open_checkpoint(folder)
+    never_built = b"\x80\x02" + new(glob(METADATA, "Metadata")) + pickle.STOP
+    (folder / ".metadata").write_bytes(never_built)
+    with pytest.raises(CheckpointError, match=r"a Metadata without its fields state_dict_metadata"):
+        open_checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda md, key: setattr(md.state_dict_metadata[key], "properties", None), "gives {key} no valid dtype"),
+        (lambda md, key: setattr(md.state_dict_metadata[key].properties, "dtype", "f32"), "gives {key} no valid"),
+        (lambda md, key: setattr(md.state_dict_metadata[key], "size", [2, 3]), "gives {key} no valid dtype"),
+        (lambda md, key: setattr(md.state_dict_metadata[key], "chunks", ()), "gives {key} no valid dtype"),
+        (lambda md, key: md.state_dict_metadata[key].chunks.append(None), "gives {key} no valid dtype"),
+        (
+            lambda md, key: setattr(md.state_dict_metadata[key].chunks[0], "offsets", (0,)),
+            "gives {key} no valid dtype",
+        ),
+        (lambda md, key: setattr(md.state_dict_metadata[key].chunks[0], "sizes", None), "gives {key} no valid"),
+        (lambda md, key: md.storage_data.update({key: None}), "lists a stored item as str: NoneType"),
+        (
+            lambda md, key: md.storage_data.update({key: next(iter(md.storage_data.values()))}),
+            "lists a stored item as str: _StorageInfo",
+        ),
+        (
+            lambda md, key: md.storage_data.update({k: None for k in list(md.storage_data)[:1]}),
+            "lists a stored item as MetadataIndex: NoneType",
+        ),
+    ],
+)
+def test_malformed_items_are_one_line(saved, tmp_path, damage: Callable, message: str):
+    """Fields of the right names but the wrong kinds: one line, not an AttributeError from deep in DCP."""
+    md = read_metadata(saved)
+    key = next(k for k in md.state_dict_metadata if k.endswith("cls_token"))
+    damage(md, key)
+    folder = with_metadata(saved, tmp_path / "ckpt", pickle.dumps(md))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(folder)
+    assert message.format(key=key) in str(info.value)
+    assert str(info.value).endswith("the metadata is corrupt: copy the whole folder again")
+
+
+def test_the_planner_refuses_bytes_items(saved, tmp_path):
+    """The reader asks DCP for tensor items only, so its planner never meets a bytes item; asked for one
+    (DCP unpickles those with weights_only=False), it refuses before anything is unpickled."""
+    folder = shutil.copytree(saved, tmp_path / "ckpt")
+    marker = tmp_path / "marker"
+    md = read_metadata(folder)
+    info = next(s for i, s in md.storage_data.items() if i.fqn == "iteration")
+    payload = pickle.dumps(Exploit(marker), protocol=2)
+    assert len(payload) <= info.length
+    with (folder / info.relative_path).open("r+b") as f:
+        f.seek(info.offset)
+        f.write(payload.ljust(info.length, b"\0"))
+    with pytest.raises(CheckpointException) as caught:
+        dcp.load({"iteration": 0}, checkpoint_id=folder, planner=tensors_only_planner(folder), no_dist=True)
+    failure = next(iter(caught.value.failures.values()))[0]
+    assert isinstance(failure, CheckpointError)
+    assert str(failure) == f"refused to read iteration from {folder}: it is not a tensor"
+    assert not marker.exists()
+    with pytest.raises(BaseException):  # noqa: B017 (DCP's own planner runs the item, whatever then fails)
+        dcp.load({"iteration": 0}, checkpoint_id=folder, no_dist=True)
+    assert marker.exists()

@@ -1,0 +1,161 @@
+"""The package's imports run one way: a test that fails on a cycle or an import that runs back up.
+
+Every import counts, deferred ones inside functions too, read from the source with `ast` (nothing is run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import timm_layerscale
+
+PACKAGE = Path(timm_layerscale.__file__).parent
+ROOT = "timm_layerscale"
+
+# Bottom to top; a module may import its own layer and those below. Checked by the first matching prefix.
+LAYERS = (
+    ("config", 0),
+    ("layers", 1),
+    ("checkpoints", 2),
+    ("model", 3),
+    ("fsdp", 3),
+    ("variants", 4),
+    ("loading", 5),
+    ("hub", 5),
+    ("meta_heads", 5),
+    ("convert", 6),
+    ("publish", 6),
+    ("export", 6),
+    ("tools", 6),
+    ("cli", 7),
+    ("", 8),  # the package itself: its public names
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((ROOT, *parts))
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported module, line, inside a function) for each import of one of the package's modules."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    deferred = {
+        id(node)
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(fn)
+    }
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from X import y` imports the module X.y where there is one, else X
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for target in targets:
+            while target and target not in known and target.startswith(ROOT + "."):
+                target = target.rpartition(".")[0]
+            if target in known and target != name:
+                found.append((target, node.lineno, id(node) in deferred))
+    return found
+
+
+def layer(name: str) -> int:
+    inner = name.removeprefix(ROOT).removeprefix(".")
+    return next(rank for prefix, rank in LAYERS if inner == prefix or inner.startswith(prefix + ".") or not prefix)
+
+
+def graph() -> dict[str, list[tuple[str, int, bool]]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def cycles(edges: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    result = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, []):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                result.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    return result
+
+
+def test_the_package_has_no_import_cycle():
+    edges = {name: [t for t, _, _ in found] for name, found in graph().items()}
+    assert cycles(edges) == []
+
+
+def test_imports_never_run_back_up_the_layers():
+    upward = [
+        f"{name}:{line} imports {target} (layer {layer(target)} above {layer(name)})"
+        for name, found in graph().items()
+        for target, line, _ in found
+        if layer(target) > layer(name)
+    ]
+    assert upward == []
+
+
+def test_no_module_of_the_package_is_imported_inside_a_function():
+    deferred = [f"{name}:{line} imports {target}" for name, found in graph().items() for target, line, d in found if d]
+    assert deferred == []
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
+    """The checks themselves: a made-up cycle and an import from the checkpoints up to the model are found."""
+    assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
+    assert layer(f"{ROOT}.checkpoints.reader") < layer(f"{ROOT}.model") < layer(f"{ROOT}.variants")
+    fake = tmp_path / "timm_layerscale" / "checkpoints"
+    fake.mkdir(parents=True)
+    (fake / "reader.py").write_text("def f():\n    from ..model import VisionTransformerLS\n")
+    known = {f"{ROOT}.checkpoints.reader", f"{ROOT}.model"}
+    assert imports(f"{ROOT}.checkpoints.reader", fake / "reader.py", known) == [(f"{ROOT}.model", 2, True)]
+
+
+def test_every_module_has_a_layer():
+    """A new module is placed on purpose: only the package's own `__init__` takes the top layer by default."""
+    unplaced = [
+        name
+        for name in modules()
+        if name != ROOT
+        and not any(name.removeprefix(ROOT + ".").partition(".")[0] == prefix for prefix, _ in LAYERS if prefix)
+    ]
+    assert unplaced == []

@@ -1,0 +1,39 @@
+"""LayerScale's key spellings, in one table that every layout, timm family and report reads them from.
+
+A spelling names a block's LayerScale vector after its `<stack>.<block>.` prefix, with N the branch:
+1 scales the attention, 2 the MLP.
+"""
+
+from __future__ import annotations
+
+import re
+
+# spelling -> where it is written
+GAMMA_SPELLINGS = {
+    "lsN.gamma": "Meta's DINOv2 and DINOv3, this package, timm's vision_transformer (DeiT-III)",
+    "gamma_N": "timm's eva (its DINOv3) and cait, the original DeiT-III and CaiT code",
+    "layer_scaleN.lambda1": "transformers' DINOv2 and DINOv3",
+}
+NATIVE_SPELLING = "lsN.gamma"
+BRANCHES = ("attn", "mlp")  # branch N is BRANCHES[N - 1]
+
+
+def gamma_name(spelling: str, branch: int | str) -> str:
+    """The key suffix of branch 1 or 2 in a spelling: `gamma_name("gamma_N", 2) == "gamma_2"`."""
+    return spelling.replace("N", str(branch))
+
+
+def _branch_pattern(spelling: str) -> str:
+    return re.escape(spelling).replace("N", "([12])")
+
+
+# A spelling's pattern matches a key's rest after `<stack>.<block>.`; its one group is the branch.
+SPELLING_PATTERNS = {spelling: re.compile(_branch_pattern(spelling)) for spelling in GAMMA_SPELLINGS}
+# Any spelling at the end of a key (one group per spelling, in table order, holds the branch).
+ANY_GAMMA_KEY = re.compile(r"(^|\.)(?:" + "|".join(map(_branch_pattern, GAMMA_SPELLINGS)) + r")$")
+# A native gamma key: groups (block, branch).
+NATIVE_GAMMA_KEY = re.compile(r"^blocks\.(\d+)\." + _branch_pattern(NATIVE_SPELLING) + "$")
+
+
+def native_gamma_key(block: int, branch: int | str) -> str:
+    return f"blocks.{block}.{gamma_name(NATIVE_SPELLING, branch)}"
