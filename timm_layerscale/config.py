@@ -283,7 +283,7 @@ def _resolve_branches(value: Any, depth: int, where: str) -> BranchInit:
 def resolve_init_values(value: Any, depth: int) -> list[BranchInit]:
     """One (attn, mlp) pair of LayerScale init values per block; `None` means no LayerScale there."""
     if isinstance(value, str) and value.strip().startswith("["):
-        import yaml
+        import yaml  # only for a list spelled as text (train.py's --model-kwargs)
 
         value = yaml.safe_load(value)
     if isinstance(value, Sequence) and not isinstance(value, str):

@@ -24,6 +24,8 @@ import torch
 from .errors import CheckpointError, torch_load_error
 
 METADATA_FILE = ".metadata"
+# torch.distributed.checkpoint is imported inside the functions that use it: its import takes about 0.4 s,
+# which every `import timm` would pay (the start-up hook imports this package) to read a folder few loads read.
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:
