@@ -509,3 +509,18 @@ def test_safetensors_files_too_large_to_map_are_read_tensor_by_tensor(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}")
     with pytest.raises(CheckpointError, match=r"truncated or corrupt safetensors file \(header length"):
         _flat_safetensors_read(tmp_path / "bad.safetensors")
+
+
+def test_dcp_tensors_are_not_read_by_a_torch_that_unpickles_them_freely(meta_run, monkeypatch):
+    """Before torch 2.6 DCP's reader loads tensor items with weights_only=False: such a torch reads none."""
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(meta_run["ckpt"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "torch 2.5.1 reads with weights_only=False (code in the file would run); upgrade torch to 2.6 or newer to read it"
+    )
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.6.0"))
+    with open_checkpoint(meta_run["ckpt"]) as ckpt:
+        assert len(ckpt)

@@ -361,8 +361,18 @@ def tensors_only_planner(folder: Path) -> Any:
     return TensorsOnly()
 
 
+# DCP's file reader unpickles each tensor item with `torch.load`, whose default is weights_only=True from
+# torch 2.6 on; before it, a tensor item of a folder could run code when read.
+SAFE_TENSOR_READS_SINCE = (2, 6)
+
+
 def tensor_reader(folder: Path, metadata: Any) -> Callable[[str], torch.Tensor]:
     """`read(key)` loads that one tensor item with DCP's own file reader and planner, without a process group."""
+    if torch.torch_version.TorchVersion(torch.__version__) < SAFE_TENSOR_READS_SINCE:
+        raise CheckpointError(
+            f"{folder} is a distributed checkpoint, whose tensors torch {torch.__version__} reads with "
+            f"weights_only=False (code in the file would run); upgrade torch to 2.6 or newer to read it"
+        )
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.api import CheckpointException
 
