@@ -9,6 +9,7 @@ from timm.utils.misc import ParseKwargs
 import timm_layerscale
 from timm_layerscale import VisionTransformerLS, VitLsConfig, cait_init_value, resolve_init_values
 from timm_layerscale.layers import LayerScale
+from timm_layerscale.variants import VariantNameError, find_variant
 
 
 def gammas(model) -> dict[str, torch.Tensor]:
@@ -226,3 +227,15 @@ def test_shipped_yaml_is_the_single_source_of_truth():
         model = timm.create_model(name, device="meta")
         for key, value in variant.model_args.items():
             assert getattr(model.config, key) == value, (name, key)
+
+
+def test_a_variant_name_resolves_to_its_variant_and_tag_or_one_line():
+    variant, tag = find_variant("vit_ls_small_patch16_dinov3.lvd1689m")
+    assert (variant.name, tag) == ("vit_ls_small_patch16_dinov3", "lvd1689m")
+    assert find_variant("vit_ls_small_patch16_dinov3")[1] is None
+    with pytest.raises(
+        VariantNameError, match=r"^vit_ls_small_patch16_dinov3 has no pretrained tag 'nope'; its tags: "
+    ):
+        find_variant("vit_ls_small_patch16_dinov3.nope")
+    with pytest.raises(VariantNameError, match=r"^unknown variant 'vit_ls_smal'; did you mean vit_ls_small_"):
+        find_variant("vit_ls_smal", what="variant")

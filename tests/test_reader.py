@@ -519,7 +519,8 @@ def test_dcp_tensors_are_not_read_by_a_torch_that_unpickles_them_freely(meta_run
     message = str(info.value)
     assert "\n" not in message
     assert message.endswith(
-        "torch 2.5.1 reads with weights_only=False (code in the file would run); upgrade torch to 2.6 or newer to read it"
+        "torch 2.5.1 reads with weights_only=False (code in the file would run); "
+        "upgrade torch to 2.6 or newer to read it"
     )
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.6.0"))
     with open_checkpoint(meta_run["ckpt"]) as ckpt:

@@ -8,7 +8,6 @@ target's architecture (q/k/v biases, RoPE periods) and the gammas that are check
 
 from __future__ import annotations
 
-import difflib
 import functools
 import json
 import math
@@ -56,7 +55,7 @@ from .checkpoints.writers import (
 from .config import VitLsConfig, resolve_init_values
 from .meta_heads import DEFAULT_HEADS, RELEASED_HEADS, MetaHeads, heads_from_config, heads_of, meta_yaml, new_heads
 from .model import VisionTransformerLS
-from .variants import VARIANTS, builtin_architecture, load_variant
+from .variants import VARIANTS, VariantNameError, builtin_architecture, find_variant, load_variant
 
 Tensor = torch.Tensor
 WEIGHTS = ("auto", "ema", "raw")
@@ -596,16 +595,11 @@ def resolve_model(
         variant = load_variant(model)  # not registered: the written config names a shipped architecture
         variants, names, reason = {variant.name: variant}, [variant.name], f"from {model}"
     elif model:
-        name, _, tag = model.partition(".")
-        if name not in VARIANTS:
-            close = difflib.get_close_matches(name, VARIANTS, n=3, cutoff=0.5) or sorted(VARIANTS)
-            raise CheckpointError(
-                f"unknown model {name!r}; did you mean {', '.join(close)}? (`timm-ls list` shows all)"
-            )
-        if tag and tag not in VARIANTS[name].tags:
-            tags = ", ".join(VARIANTS[name].tags) or "none"
-            raise CheckpointError(f"{name} has no pretrained tag {tag!r}; its tags: {tags}")
-        names, reason, tag = [name], "given", tag or None
+        try:
+            variant, tag = find_variant(model)
+        except VariantNameError as exc:
+            raise CheckpointError(str(exc)) from None
+        names, reason = [variant.name], "given"
     elif hinted:
         names, reason = [hinted], f"named in {CONFIG_FILE}"
     else:

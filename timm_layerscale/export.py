@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 import io
 import json
 import mmap
@@ -37,7 +36,7 @@ from .config import VitLsConfig
 from .convert import resolve_model
 from .loading import pretrained_source
 from .model import VisionTransformerLS
-from .variants import VARIANTS, register_variant
+from .variants import VARIANTS, VariantNameError, close_variant_names, find_variant, register_variant
 
 __all__ = ["ExportError", "OnnxCheckError", "OnnxExport", "export_onnx"]
 
@@ -206,13 +205,13 @@ class _Source:
 
 
 def _registered(name: str) -> tuple[str, str | None] | None:
-    base, _, tag = name.partition(".")
-    if base not in VARIANTS:
+    if name.partition(".")[0] not in VARIANTS:
         return None
-    if tag and tag not in VARIANTS[base].tags:
-        tags = ", ".join(VARIANTS[base].tags) or "none"
-        raise ExportError(f"{base} has no pretrained tag {tag!r}; its tags: {tags}")
-    return base, tag or None
+    try:
+        variant, tag = find_variant(name)
+    except VariantNameError as exc:
+        raise ExportError(str(exc)) from None
+    return variant.name, tag
 
 
 def _resolve_source(
@@ -243,7 +242,7 @@ def _resolve_source(
         return _Source(name, built.config, dict(built.pretrained_cfg), "random init", model=built)
     if Path(text).exists():
         return _streamed(Path(text), model, model_kwargs, f"checkpoint {text}")
-    close = difflib.get_close_matches(text.partition(".")[0], VARIANTS, n=3, cutoff=0.5) or sorted(VARIANTS)
+    close = close_variant_names(text.partition(".")[0])
     raise ExportError(
         f"{text} is neither a checkpoint file or folder nor a registered variant; did you mean "
         f"{', '.join(close)}? (`timm-ls list` shows all)"

@@ -8,6 +8,7 @@ file the same way; `base:` starts from a registered variant.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -216,6 +217,29 @@ def builtin_architecture(name: str | None, config: VitLsConfig) -> str:
 
 def _is_shipped(variant: Variant) -> bool:
     return Path(variant.source).parent == config_dir()
+
+
+class VariantNameError(ValueError):
+    """A `NAME[.TAG]` that names no registered variant, or a tag it lacks; the message is one line."""
+
+
+def close_variant_names(name: str) -> list[str]:
+    """The registered names nearest `name` (every name when none is near), for a "did you mean"."""
+    return difflib.get_close_matches(name, VARIANTS, n=3, cutoff=0.5) or sorted(VARIANTS)
+
+
+def find_variant(name: str, what: str = "model") -> tuple[Variant, str | None]:
+    """`NAME` or `NAME.TAG` -> the registered variant and the tag (None without one); `what` names the
+    argument in the error (`unknown model 'vit_ls_smal'; did you mean ...`)."""
+    base, _, tag = name.partition(".")
+    if base not in VARIANTS:
+        raise VariantNameError(
+            f"unknown {what} {base!r}; did you mean {', '.join(close_variant_names(base))}? (`timm-ls list` shows all)"
+        )
+    variant = VARIANTS[base]
+    if tag and tag not in variant.tags:
+        raise VariantNameError(f"{base} has no pretrained tag {tag!r}; its tags: {', '.join(variant.tags) or 'none'}")
+    return variant, tag or None
 
 
 def set_pretrained_loader(loader: PretrainedLoader) -> None:

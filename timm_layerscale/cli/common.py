@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import difflib
 import logging
 import sys
 import warnings
@@ -18,7 +17,7 @@ import yaml
 from torch import nn
 
 from ..hub import HubError, fetch_hub_weights
-from ..variants import VARIANTS, Variant, register_variant
+from ..variants import VARIANTS, Variant, VariantNameError, find_variant, register_variant
 
 VARIANT_FILE_SUFFIXES = (".yaml", ".yml")
 
@@ -74,14 +73,10 @@ def resolve_variant(name: str) -> tuple[Variant, str | None]:
     """A registered `NAME[.TAG]`, or the path of a YAML variant file (which is registered first)."""
     if is_variant_file(name):
         return register_variant_file(name), None
-    base, _, tag = name.partition(".")
-    if base not in VARIANTS:
-        close = difflib.get_close_matches(base, VARIANTS, n=3, cutoff=0.5) or sorted(VARIANTS)
-        raise CliError(f"unknown variant {base!r}; did you mean {', '.join(close)}? (`timm-ls list` shows all)")
-    variant = VARIANTS[base]
-    if tag and tag not in variant.tags:
-        raise CliError(f"{base} has no pretrained tag {tag!r}; its tags: {', '.join(variant.tags) or 'none'}")
-    return variant, tag or None
+    try:
+        return find_variant(name, what="variant")
+    except VariantNameError as exc:
+        raise CliError(str(exc)) from None
 
 
 @contextmanager
