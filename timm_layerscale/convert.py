@@ -354,9 +354,7 @@ def _export(
     qv_bias, k_bias_blocks = _bias_parts(full, config.depth)
     options = {"hf": {"k_bias": bool(k_bias_blocks)}, "timm": {"qkv_bias": qv_bias}}.get(to, {})
     out, unheld = target.layout.from_native(full, **options)
-    groups = unheld_groups(unheld)
-    not_held = [f"{g} ({UNHELD_NOTES[g]})" if g in UNHELD_NOTES else g for g in groups]
-    warnings = [f"{to} cannot hold {g}: {UNHELD_NOTES[g]}" for g in groups if g in OUTPUT_CHANGING]
+    not_held, warnings = _losses(unheld, to, OUTPUT_CHANGING)
     if to == "timm" and k_bias_blocks:
         blocks = ", ".join(map(str, k_bias_blocks))
         not_held.append(f"non-zero k biases (blocks {blocks})")
@@ -382,6 +380,18 @@ def _export(
         write_text(tmp / CONFIG_FILE, json.dumps(cfg, indent=2))
 
     return _Export(out, write_eva, not_held, warnings)
+
+
+def _losses(
+    unheld: list[str], to: str, changing: tuple[str, ...], named: Mapping[str, str] | None = None
+) -> tuple[list[str], list[str]]:
+    """What the target has no key for, by group (`named` words a group its own way), and as warnings the
+    losses in `changing`, which change the outputs."""
+    groups = unheld_groups(unheld)
+    named = named or {}
+    not_held = [named.get(g) or (f"{g} ({UNHELD_NOTES[g]})" if g in UNHELD_NOTES else g) for g in groups]
+    warnings = [f"{to} cannot hold {g}: {UNHELD_NOTES[g]}" for g in groups if g in changing]
+    return not_held, warnings
 
 
 def _bias_parts(tensors: Mapping[str, Tensor], depth: int) -> tuple[bool, list[int]]:
@@ -471,9 +481,7 @@ def _export_meta_train(
     layer_scale, limits = _layer_scale_limits(config)
     full = with_all_gammas(tensors, config.depth, config.embed_dim, fill_dtype) if layer_scale else tensors
     backbone, unheld = META.from_native(full)
-    groups = unheld_groups(unheld)
-    not_held = [HEAD_NOTE if g == "head" else f"{g} ({UNHELD_NOTES[g]})" if g in UNHELD_NOTES else g for g in groups]
-    warnings = [f"meta-train cannot hold {g}: {UNHELD_NOTES[g]}" for g in groups if g in (*OUTPUT_CHANGING, "head")]
+    not_held, warnings = _losses(unheld, "meta-train", (*OUTPUT_CHANGING, "head"), named={"head": HEAD_NOTE})
     not_held += limits
     warnings += [f"meta-train cannot hold {limit}" for limit in limits]
 
