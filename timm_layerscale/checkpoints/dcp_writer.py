@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .plan import info_of
-from .writers import Progress
+from .writers import Progress, made_as_planned
 
 Tensor = torch.Tensor
 
@@ -50,11 +50,8 @@ def write_dcp(
             if self.last is not None:  # written: the writer's reference may keep it, its bytes need not stay
                 self.last.untyped_storage().resize_(0)
             key = write_item.index.fqn.removeprefix(prefix)
-            made, info = tensors[key], infos[key]
-            if made.shape != info.shape or made.dtype != info.dtype:
-                raise RuntimeError(
-                    f"{key}: planned {list(info.shape)} {info.dtype}, made {list(made.shape)} {made.dtype}"
-                )
+            info = infos[key]
+            made = made_as_planned(tensors, key, info)
             # A copy of our own: the source's tensor may share storage with the next one or be a mapped file.
             self.last = torch.empty(info.shape, dtype=info.dtype).copy_(made.detach().to("cpu"))
             del made

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from .dtypes import safetensors_name
 from .errors import CheckpointError
 from .plan import info_of
+from .reader import TensorInfo
 
 Tensor = torch.Tensor
 Progress = Callable[[int], object]  # called with the bytes just written
@@ -64,18 +65,22 @@ def write_safetensors(
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for key in keys:
-            tensor = tensors[key]
             info = info_of(tensors, key)
-            if tensor.shape != info.shape or tensor.dtype != info.dtype:
-                raise RuntimeError(
-                    f"{key}: planned {list(info.shape)} {info.dtype}, made {list(tensor.shape)} {tensor.dtype}"
-                )
+            tensor = made_as_planned(tensors, key, info)
             f.write(_raw_bytes(tensor))
             if progress is not None:
                 progress(info.nbytes)
             del tensor
         _sync(f)
     return offset
+
+
+def made_as_planned(tensors: Mapping[str, Tensor], key: str, info: TensorInfo) -> Tensor:
+    """`tensors[key]`, made now, checked against the shape and dtype the header was written from."""
+    tensor = tensors[key]
+    if tensor.shape != info.shape or tensor.dtype != info.dtype:
+        raise RuntimeError(f"{key}: planned {list(info.shape)} {info.dtype}, made {list(tensor.shape)} {tensor.dtype}")
+    return tensor
 
 
 def _raw_bytes(tensor: Tensor) -> memoryview:
