@@ -1,32 +1,18 @@
 """Exactness against Meta's own DinoVisionTransformer, through outputs recorded once (tests/fixtures)."""
 
-import json
-
 import pytest
-import timm
 import torch
-from conftest import FIXTURES, assert_catches_swapped_gammas_and_dropped_biases, assert_fp32_close, max_diff
 from safetensors.torch import load_file
+from support import (
+    FIXTURES,
+    META_CONFIGS,
+    assert_catches_swapped_gammas_and_dropped_biases,
+    assert_fp32_close,
+    build_from_meta_file,
+    max_diff,
+)
 
-CONFIGS = json.loads((FIXTURES / "meta_configs.json").read_text())["models"]
-
-
-def build_from_meta_file(name: str, **kwargs):
-    meta = CONFIGS[name]
-    variant = "vit_ls_small_plus_patch16_dinov3" if meta["ffn_layer"] == "swiglu" else "vit_ls_small_patch16_dinov3"
-    return timm.create_model(
-        variant,
-        pretrained=True,
-        pretrained_cfg_overlay=dict(file=str(FIXTURES / f"{name}.safetensors")),
-        embed_dim=meta["embed_dim"],
-        depth=meta["depth"],
-        num_heads=meta["num_heads"],
-        ffn_ratio=meta["ffn_ratio"],
-        qkv_bias=meta["qkv_bias"],
-        cls_norm=meta["untie_cls_and_patch_norms"],
-        local_cls_norm=meta["untie_global_and_local_cls_norm"],
-        **kwargs,
-    ).eval()
+CONFIGS = META_CONFIGS
 
 
 @pytest.fixture(params=sorted(CONFIGS))

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import TINY
-from hub_server import LocalHub, hub_env
 from packaging.requirements import Requirement
+from support import REPO, TINY
+from support.hub_server import LocalHub, hub_env
 from timm.models import save_for_hf
 
 import _timm_layerscale_autoregister as autoregister
@@ -236,7 +236,7 @@ def test_the_switch_reads_common_spellings_of_off(monkeypatch: pytest.MonkeyPatc
 
 def test_the_build_asks_for_a_setuptools_that_reads_the_license_string() -> None:
     tomllib = pytest.importorskip("tomllib")
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert isinstance(project["project"]["license"], str)  # an SPDX string: setuptools 77 or later (PEP 639)
     (setuptools,) = (r for r in map(Requirement, project["build-system"]["requires"]) if r.name == "setuptools")
     assert "76.3" not in setuptools.specifier and "77.0" in setuptools.specifier

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 import timm
 import torch
-from conftest import TINY, VARIANT, move_off_init_, transformers_reference
+from support import TINY, VARIANT, move_off_init_, transformers_reference
 
 from timm_layerscale import VitLsConfig, export_onnx, save_native
 from timm_layerscale import export as export_module

@@ -13,9 +13,9 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, Exploit, mapped_ranges, move_off_init_
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import save_file
+from support import SUPPORT, TINY, Exploit, mapped_ranges, move_off_init_
 from timm.models import save_for_hf
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
@@ -274,7 +274,7 @@ def meta_run(tmp_path_factory):
     )
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     env["OMP_NUM_THREADS"] = "1"
-    script = [sys.executable, str(Path(__file__).with_name("dcp_ranks.py"))]
+    script = [sys.executable, str(SUPPORT / "dcp_ranks.py")]
     args = [str(root / "state.pt"), str(ckpt), str(root / "eval.pt"), str(sharded)]
     ranks = [subprocess.Popen([*script, *args], env={**env, "RANK": str(r)}) for r in range(2)]
     assert [r.wait(timeout=300) for r in ranks] == [0, 0]

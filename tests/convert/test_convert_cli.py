@@ -17,8 +17,8 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, move_off_init_
 from safetensors.torch import load_file, save_file
+from support import TINY, move_off_init_
 from transformers import Dinov2Config, Dinov2Model
 
 from timm_layerscale import CheckpointError, convert_checkpoint

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import timm
 import torch
-from conftest import assert_fp32_close
-from hub_server import LocalHub, hub_env
 from safetensors.torch import load_file, save_file
+from support import assert_fp32_close
+from support.hub_server import LocalHub, hub_env
 from timm.models.eva import Eva
 
 import timm_layerscale  # noqa: F401  (registers the variants)

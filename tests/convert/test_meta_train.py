@@ -18,8 +18,8 @@ import timm
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
-from conftest import EVA, FIXTURES, VARIANT, assert_fp32_close, max_diff, move_off_init_
 from safetensors.torch import load_file, save_file
+from support import EVA, FIXTURES, VARIANT, assert_fp32_close, max_diff, move_off_init_
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata

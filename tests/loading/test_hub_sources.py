@@ -19,11 +19,11 @@ import pytest
 import timm
 import torch
 import yaml
-from conftest import TINY, assert_fp32_close, move_off_init_
-from hub_server import LocalHub, hub_env
 from huggingface_hub import constants
 from packaging.version import Version
 from safetensors.torch import save_file
+from support import REPO, TINY, assert_fp32_close, move_off_init_
+from support.hub_server import LocalHub, hub_env
 from timm.models import get_pretrained_cfg
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
@@ -160,28 +160,8 @@ def test_list_and_readme_show_the_official_tags(capsys: pytest.CaptureFixture[st
     tags = next(v["tags"] for v in json.loads(capsys.readouterr().out) if v["name"] == "vit_ls_large_patch16_dinov3")
     assert tags["lvd1689m_facebook"] == "facebook/dinov3-vitl16-pretrain-lvd1689m"
     assert tags["sat493m_facebook"] == "facebook/dinov3-vitl16-pretrain-sat493m"
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     assert "`lvd1689m`, `sat493m`, `lvd1689m_facebook`, `sat493m_facebook`" in readme
-
-
-@pytest.mark.parametrize(
-    "kwargs, size",
-    [
-        ({}, (256, 256)),
-        ({"dynamic_img_size": False}, (224, 224)),
-        ({"dynamic_img_size": False, "img_size": (64, 96)}, (64, 96)),
-    ],
-)
-@torch.no_grad()
-def test_timms_data_pipeline_makes_inputs_the_model_accepts(kwargs, size) -> None:
-    from PIL import Image
-    from timm.data import create_transform, resolve_data_config
-
-    model = timm.create_model(f"{SMALL}.lvd1689m", **TINY, **kwargs).eval()
-    config = resolve_data_config({}, model=model)
-    assert config["input_size"] == (3, *size)
-    x = create_transform(**config)(Image.new("RGB", (300, 200), (90, 120, 30)))
-    assert model(x[None]).shape == (1, TINY["embed_dim"])
 
 
 def test_a_fixed_size_model_keeps_the_weights_channels() -> None:

@@ -14,6 +14,7 @@ import timm
 import torch
 import yaml
 from PIL import Image
+from support import REPO
 
 from timm_layerscale.cli import main
 from timm_layerscale.tools.experiment import load_experiment
@@ -86,7 +87,7 @@ def test_each_history_row_averages_the_steps_since_the_last():
 def test_runs_of_a_seed_start_from_the_same_weights_but_their_gammas():
     from timm_layerscale.cli.ablate import build_model
 
-    experiment = load_experiment(Path(__file__).parents[1] / "configs" / "experiments" / "ablate.yaml")
+    experiment = load_experiment(REPO / "configs" / "experiments" / "ablate.yaml")
     experiment = experiment.replace(model={**experiment.model, "depth": 2})
     off, small, other_seed = (
         build_model(experiment, v, s).state_dict() for v, s in (("off", 0), (1e-6, 0), ("off", 1))
@@ -277,7 +278,7 @@ def fake_results(final_acc: dict[str, list[float]], diverged: tuple[str, int] | 
 def test_summary_says_what_happened(final_acc, verdict):
     from timm_layerscale.cli.ablate import summarise
 
-    experiment = load_experiment(Path(__file__).parents[1] / "configs" / "experiments" / "ablate.yaml")
+    experiment = load_experiment(REPO / "configs" / "experiments" / "ablate.yaml")
     experiment = experiment.replace(seeds=tuple(range(len(next(iter(final_acc.values()))))))
     lines = summarise(experiment, fake_results(final_acc))
     assert any(line.startswith(verdict) for line in lines), lines
@@ -288,7 +289,7 @@ def test_summary_says_what_happened(final_acc, verdict):
 def test_summary_counts_diverged_runs_and_ranks_them_last():
     from timm_layerscale.cli.ablate import summarise
 
-    experiment = load_experiment(Path(__file__).parents[1] / "configs" / "experiments" / "ablate.yaml")
+    experiment = load_experiment(REPO / "configs" / "experiments" / "ablate.yaml")
     experiment = experiment.replace(seeds=(0, 1))
     lines = summarise(experiment, fake_results({"off": [0.9, 0.8], "1e-06": [0.5, 0.6]}, diverged=("off", 42)))
     off = next(line for line in lines if line.startswith("init_values off: "))

@@ -4,10 +4,10 @@ import pytest
 import timm
 import timm.data
 import torch
-from conftest import TINY, VARIANT, assert_fp32_close, max_diff, move_off_init_
 from packaging.version import Version
 from PIL import Image
 from safetensors.torch import save_file
+from support import TINY, VARIANT, assert_fp32_close, max_diff, move_off_init_
 from timm.layers import RotaryEmbeddingDinoV3
 from timm.models._manipulate import group_parameters
 

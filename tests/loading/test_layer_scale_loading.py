@@ -5,8 +5,8 @@ import logging
 import pytest
 import timm
 import torch
-from conftest import TINY, assert_fp32_close, max_diff, move_off_init_
 from safetensors.torch import save_file
+from support import TINY, assert_fp32_close, max_diff, move_off_init_
 from timm.models import load_checkpoint
 
 from timm_layerscale import CheckpointError, fold_layer_scale

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import timm
 import torch
-from conftest import TINY, VARIANT, max_diff, move_off_init_
+from support import TINY, VARIANT, max_diff, move_off_init_
 from torch.export import Dim, export
 from torchvision.models.feature_extraction import create_feature_extractor
 

@@ -7,14 +7,10 @@ import sys
 import pytest
 import timm
 import torch
-from conftest import FIXTURES, TINY, assert_fp32_close, max_diff, move_off_init_
-from hub_server import LocalHub, hub_env
 from huggingface_hub import save_torch_state_dict
-from PIL import Image
 from safetensors.torch import load_file, save_file
-from test_meta_parity import build_from_meta_file
-from test_reference_parity import eva_reference
-from timm.data import create_transform, resolve_data_config
+from support import FIXTURES, TINY, assert_fp32_close, build_from_meta_file, eva_reference, max_diff, move_off_init_
+from support.hub_server import LocalHub, hub_env
 from timm.models import adapt_input_conv, build_model_with_cfg, save_for_hf
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -246,23 +242,6 @@ def test_the_progress_bar_shows_only_for_slow_loads(tmp_path, capsys, monkeypatc
     monkeypatch.setattr(timm_layerscale.loading, "PROGRESS_DELAY_S", 0)
     timm.create_model(NAME, **overlay(tmp_path / "w.safetensors"), **TINY)
     assert "loading" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("pretrained", [False, True])
-def test_timms_transform_makes_inputs_a_fixed_size_model_accepts(pretrained, tmp_path):
-    save_file(source_model().state_dict(), tmp_path / "w.safetensors")
-    kwargs = overlay(tmp_path / "w.safetensors") if pretrained else {}
-    model = timm.create_model(NAME + ".lvd1689m", dynamic_img_size=False, **kwargs, **TINY).eval()
-    assert model.pretrained_cfg["input_size"] == (3, 224, 224)
-    transform = create_transform(**resolve_data_config({}, model=model))
-    x = transform(Image.new("RGB", (320, 240), (90, 120, 200))).unsqueeze(0)
-    assert x.shape == (1, 3, 224, 224)
-    with torch.no_grad():
-        assert model.forward_features(x).shape == (1, 5 + 14 * 14, 64)
-    dynamic = timm.create_model(NAME + ".lvd1689m", **TINY)
-    assert dynamic.pretrained_cfg["input_size"] == (3, 256, 256)  # the released resolution, any size runs
-    sized = timm.create_model(NAME, dynamic_img_size=False, img_size=(160, 96), **TINY)
-    assert resolve_data_config({}, model=sized)["input_size"] == (3, 160, 96)
 
 
 HUB_LOADS = """

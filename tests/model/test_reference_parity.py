@@ -8,23 +8,18 @@ The references compute RoPE periods in fp32 without Meta's bf16 rounding, so our
 import pytest
 import timm
 import torch
-from conftest import (
-    EVA,
+from safetensors.torch import load_file, save_file
+from support import (
     TINY,
     VARIANT,
     assert_catches_swapped_gammas_and_dropped_biases,
     assert_fp32_close,
+    eva_reference,
     max_diff,
     move_off_init_,
     transformers_reference,
 )
-from safetensors.torch import load_file, save_file
 from timm.models import load_checkpoint
-
-
-def eva_reference(ffn: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return move_off_init_(timm.create_model(EVA[ffn], global_pool="token", **TINY)).eval()
 
 
 def ours_from_file(ffn: str, path, **kwargs) -> torch.nn.Module:

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import timm
 import torch
-from conftest import TINY, move_off_init_
+from support import TINY, move_off_init_
 
 from timm_layerscale.layers import RopeEmbedding, apply_rope
 from timm_layerscale.layers import attention as attention_module

@@ -14,9 +14,10 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import TINY, assert_fp32_close, move_off_init_
 from PIL import Image
-from timm.data import create_dataset, create_loader
+from safetensors.torch import save_file
+from support import TINY, assert_fp32_close, move_off_init_
+from timm.data import create_dataset, create_loader, create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -230,3 +231,31 @@ def test_torch_compile_traces_the_whole_model_with_gradients(images):
     assert eager_grads.keys() == compiled_grads.keys()
     for name, grad in eager_grads.items():
         assert_fp32_close(compiled_grads[name], grad, what=name)
+
+
+# ------------------------------------------------------------------------------------ timm's data pipeline
+
+
+@pytest.mark.parametrize(
+    "kwargs, size",
+    [
+        ({}, (256, 256)),  # the released resolution; a dynamic model takes any size
+        ({"dynamic_img_size": False}, (224, 224)),
+        ({"dynamic_img_size": False, "img_size": (64, 96)}, (64, 96)),
+        ({"dynamic_img_size": False, "pretrained": True}, (224, 224)),
+    ],
+)
+@torch.no_grad()
+def test_timms_data_pipeline_makes_inputs_the_model_accepts(kwargs, size, tmp_path) -> None:
+    """resolve_data_config + create_transform, as train.py and validate.py call them, from the pretrained cfg."""
+    if kwargs.pop("pretrained", False):
+        torch.manual_seed(0)
+        save_file(move_off_init_(timm.create_model(NAME, **TINY)).state_dict(), tmp_path / "w.safetensors")
+        kwargs.update(pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "w.safetensors")))
+    model = timm.create_model(f"{NAME}.lvd1689m", **TINY, **kwargs).eval()
+    config = resolve_data_config({}, model=model)
+    assert config["input_size"] == (3, *size)
+    x = create_transform(**config)(Image.new("RGB", (300, 200), (90, 120, 30)))
+    assert x.shape == (3, *size)
+    assert model(x[None]).shape == (1, TINY["embed_dim"])
+    assert model.forward_features(x[None]).shape == (1, 5 + size[0] // 16 * (size[1] // 16), TINY["embed_dim"])

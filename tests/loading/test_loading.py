@@ -6,11 +6,18 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import FIXTURES, TINY, assert_fp32_close, max_diff, move_off_init_
 from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file, save_file
-from test_meta_parity import build_from_meta_file
-from test_reference_parity import eva_reference, transformers_reference
+from support import (
+    FIXTURES,
+    TINY,
+    assert_fp32_close,
+    build_from_meta_file,
+    eva_reference,
+    max_diff,
+    move_off_init_,
+    transformers_reference,
+)
 from timm.models import load_checkpoint, save_for_hf
 
 from timm_layerscale import CheckpointError, convert_state_dict

@@ -5,7 +5,7 @@ instances: BUILD on `PurePosixPath` itself rewrites `.name` for the whole proces
 an enum member sets attributes every later user sees, REDUCE calls an allowed class with arguments DCP never
 passes. Each attack is a few opcodes written here by hand, put before, or spliced deep inside, the real
 `.metadata` of a folder that torch.distributed.checkpoint saved, and run through `timm-ls convert` and
-`timm-ls inspect` in one separate process (tests/dcp_attacks.py), which then compares every attribute of
+`timm-ls inspect` in one separate process (tests/support/dcp_attacks.py), which then compares every attribute of
 pathlib, torch and the allowed classes and functions with what they were before.
 """
 
@@ -25,7 +25,7 @@ import pytest
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import TINY, Exploit, move_off_init_
+from support import SUPPORT, TINY, Exploit, move_off_init_
 from torch.distributed.checkpoint.api import CheckpointException
 
 from timm_layerscale.checkpoints import CheckpointError
@@ -250,7 +250,7 @@ def results(saved, tmp_path_factory) -> dict[str, dict]:
     (root / "out").mkdir()
     plan = root / "plan.json"
     plan.write_text(json.dumps({"cases": cases, "convert": CONVERT, "out": str(root / "out")}))
-    worker = Path(__file__).with_name("dcp_attacks.py")
+    worker = SUPPORT / "dcp_attacks.py"
     subprocess.run([sys.executable, str(worker), str(plan), str(root / "results.json")], check=True, timeout=600)
     return json.loads((root / "results.json").read_text())
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import Exploit
 from PIL import Image
 from safetensors.torch import save_file
+from support import REPO, Exploit
 
 from timm_layerscale.checkpoints import CheckpointError
 from timm_layerscale.checkpoints.errors import reason
@@ -28,8 +28,8 @@ from timm_layerscale.checkpoints.reader import open_checkpoint
 from timm_layerscale.cli import main
 
 NAME = "vit_ls_small_patch16_dinov3"
-ASSETS = Path(__file__).resolve().parent.parent / "timm_layerscale" / "assets"
-README = Path(__file__).resolve().parent.parent / "README.md"
+ASSETS = REPO / "timm_layerscale" / "assets"
+README = REPO / "README.md"
 
 
 def weights() -> dict[str, torch.Tensor]:

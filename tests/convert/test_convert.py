@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import (
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from support import (
     EVA,
     FIXTURES,
     TINY,
@@ -29,9 +31,7 @@ from conftest import (
     move_off_init_,
     transformers_reference,
 )
-from hub_server import LocalHub, hub_env
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from support.hub_server import LocalHub, hub_env
 from transformers import DINOv3ViTModel
 
 from timm_layerscale import (

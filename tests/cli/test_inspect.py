@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from conftest import TINY, move_off_init_
 from PIL import Image
 from safetensors.torch import save_file
+from support import TINY, move_off_init_
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale.cli import main
