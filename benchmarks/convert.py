@@ -130,7 +130,7 @@ def child_make(path: str, depth: int) -> None:
     from timm_layerscale.checkpoints.fit import own_value
     from timm_layerscale.checkpoints.reader import TensorInfo
     from timm_layerscale.checkpoints.writers import write_safetensors, write_torch_file
-    from timm_layerscale.convert import expected_state
+    from timm_layerscale.identity import expected_state
     from timm_layerscale.variants import VARIANTS
 
     config = VARIANTS["vit_ls_7b_patch16_dinov3"].config.replace(num_classes=0, depth=depth)

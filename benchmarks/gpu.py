@@ -75,8 +75,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale import fold_layer_scale, shard_model
-from timm_layerscale.checkpoints.layouts import TIMM_EVA, TRANSFORMERS
-from timm_layerscale.checkpoints.targets import hidden_features, transformers_config
+from timm_layerscale.checkpoints.formats.base import hidden_features
+from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
+from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS, transformers_config
 from timm_layerscale.layers import RopeEmbedding, apply_rope
 from timm_layerscale.layers.attention import rotate_queries_keys
 from timm_layerscale.layers.rope import apply_rope_low_precision
@@ -158,13 +159,13 @@ def build_trio(variant: str, device: torch.device, overrides: dict) -> dict[str,
         randomise_(ours)
         native = ours.state_dict()
         eva = timm.create_model(VARIANTS[variant][0], global_pool="token", num_classes=0, **overrides)
-        eva_state, _ = TIMM_EVA.from_native(native, qkv_bias=False)
+        eva_state, _ = TIMM_EVA.table.from_native(native, qkv_bias=False)
         load_exact(eva, dict(eva_state.items()))
         fields = transformers_config(ours.config, k_bias=False, dtype=torch.float32)
         config = DINOv3ViTConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
         config._attn_implementation = "sdpa"
         hf = DINOv3ViTModel(config)
-        hf_state, _ = TRANSFORMERS.from_native(native, k_bias=False)
+        hf_state, _ = TRANSFORMERS.table.from_native(native, k_bias=False)
         load_exact(hf, dict(hf_state.items()))
     return {OURS: ours.eval(), EVA: eva.eval(), HF: hf.eval()}
 
@@ -434,7 +435,7 @@ def bench_load(args, device, budget, results, overrides) -> None:
         start = time.perf_counter()
         with torch.device(device):
             source = randomise_(timm.create_model(ours_name("huge_plus"), num_classes=0, **overrides))
-        state, _ = TIMM_EVA.from_native(source.state_dict(), qkv_bias=True)
+        state, _ = TIMM_EVA.table.from_native(source.state_dict(), qkv_bias=True)
         save_file({k: v.to(dtype).cpu().contiguous() for k, v in state.items()}, str(path))
         del source, state
         echo(f"  wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s")

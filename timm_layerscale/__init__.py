@@ -4,11 +4,14 @@ Importing the package registers the `vit_ls_*` variants: `timm.create_model("vit
 """
 
 from .checkpoints import (
+    FORMATS,
     CheckpointError,
+    Format,
     checkpoint_filter_fn,
     convert_state_dict,
     fold_layer_scale,
     open_checkpoint,
+    register_format,
     rename_layer_scale,
 )
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
@@ -16,15 +19,16 @@ from .convert import convert_checkpoint
 from .export import export_onnx
 from .fsdp import shard_model
 from .hub import HubError, fetch_hub_weights, hub_weights
-from .loading import load_pretrained as _installs_the_pretrained_loader  # noqa: F401
 from .model import VisionTransformerLS
 from .publish import push_to_hub, save_for_hub, save_native
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
 
 __version__ = "0.1.0"
 __all__ = [
+    "FORMATS",
     "VARIANTS",
     "CheckpointError",
+    "Format",
     "HubError",
     "UnknownConfigKeyError",
     "VisionTransformerLS",
@@ -40,6 +44,7 @@ __all__ = [
     "hub_weights",
     "open_checkpoint",
     "push_to_hub",
+    "register_format",
     "register_variant",
     "rename_layer_scale",
     "resolve_init_values",

@@ -27,9 +27,8 @@ from huggingface_hub.errors import (
 from timm.models._pretrained import PretrainedCfg
 
 from .checkpoints.errors import CheckpointError, reason
+from .checkpoints.formats import WEIGHTS_FILE
 from .checkpoints.reader import read_index
-from .checkpoints.targets import WEIGHTS_FILE
-from .variants import VARIANTS
 
 __all__ = ["OFFICIAL_SUFFIX", "HubError", "HubWeights", "fetch_hub_weights", "hub_weights", "unreachable_reason"]
 
@@ -77,8 +76,8 @@ def unreachable_reason(exc: BaseException | None) -> str | None:
     return f"{constants.ENDPOINT}: {type(chain[-1]).__name__}: {reason(chain[-1])}"
 
 
-def _hub_source(source: str | Mapping[str, Any] | PretrainedCfg) -> tuple[str, str | None, str | None, str]:
-    """(repo id, revision, file or None, the ungated tag that holds the same weights or '')."""
+def _hub_source(source: str | Mapping[str, Any] | PretrainedCfg) -> tuple[str, str | None, str | None]:
+    """(repo id, revision, file or None)."""
     if isinstance(source, str):
         cfg: Mapping[str, Any] = {"hf_hub_id": source.removeprefix("hf-hub:")}
     else:
@@ -87,14 +86,7 @@ def _hub_source(source: str | Mapping[str, Any] | PretrainedCfg) -> tuple[str, s
     if not hub_id:
         raise HubError(f"{cfg.get('architecture') or 'this pretrained cfg'} names no Hub repo (hf_hub_id)")
     repo_id, _, revision = hub_id.partition("@")
-    return repo_id, revision or None, cfg.get("hf_hub_filename"), _ungated_tag(cfg)
-
-
-def _ungated_tag(cfg: Mapping[str, Any]) -> str:
-    name, tag = cfg.get("architecture") or "", cfg.get("tag") or ""
-    ungated = tag.removesuffix(OFFICIAL_SUFFIX)
-    variant = VARIANTS.get(name)
-    return f"{name}.{ungated}" if variant and ungated != tag and ungated in variant.tags else ""
+    return repo_id, revision or None, cfg.get("hf_hub_filename")
 
 
 def _download(repo_id: str, filename: str, revision: str | None, cache_dir: str | Path | None) -> Path:
@@ -174,13 +166,15 @@ def _not_cached(
     )
 
 
-def hub_weights(source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: str | Path | None = None) -> Path:
+def hub_weights(
+    source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: str | Path | None = None, ungated: str = ""
+) -> Path:
     """The local path of the weights that `source` names on the Hub: `fetch_hub_weights(...).path`."""
-    return fetch_hub_weights(source, cache_dir=cache_dir).path
+    return fetch_hub_weights(source, cache_dir=cache_dir, ungated=ungated).path
 
 
 def fetch_hub_weights(
-    source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: str | Path | None = None
+    source: str | Mapping[str, Any] | PretrainedCfg, *, cache_dir: str | Path | None = None, ungated: str = ""
 ) -> HubWeights:
     """The local path of the weights that `source` names on the Hub, downloading what the cache lacks.
 
@@ -195,10 +189,10 @@ def fetch_hub_weights(
     cache folder.
 
     Raises `HubError` (a `CheckpointError`) with one line: a gated repo without access (how to get it, and
-    the ungated tag with the same weights), a missing repo, revision or file, a download cut short, or no
-    Hub and nothing cached.
+    `ungated`, the name of an ungated copy of the same weights, when the caller knows one), a missing repo,
+    revision or file, a download cut short, or no Hub and nothing cached.
     """
-    repo_id, revision, filename, ungated = _hub_source(source)
+    repo_id, revision, filename = _hub_source(source)
     candidates = (filename,) if filename else WEIGHT_FILES
     origin = f"Hub {repo_id}" + (f"@{revision}" if revision else "")
     path = None

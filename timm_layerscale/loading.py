@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from timm.models import adapt_input_conv
+from timm.models._hub import download_cached_file
 from tqdm.auto import tqdm
 
-from . import variants
 from .checkpoints import CheckpointError, log_report, open_checkpoint, plan_load
 from .checkpoints.plan import Plan, Step, passthrough
 from .hub import hub_weights
@@ -33,9 +33,12 @@ PATCH_WEIGHT = "patch_embed.proj.weight"
 PROGRESS_DELAY_S = 3.0  # a progress bar appears once a load has taken this long
 
 
-def pretrained_source(cfg: Mapping[str, Any], cache_dir: str | Path | None = None) -> Path | Mapping[str, Any]:
+def pretrained_source(
+    cfg: Mapping[str, Any], cache_dir: str | Path | None = None, ungated: str = ""
+) -> Path | Mapping[str, Any]:
     """Where a pretrained cfg's weights are, in timm's order: `hf-hub:` and `local-dir:` models by their
-    source, then a state dict, a file, a Hub id, a URL. Hub and URL weights are downloaded (and cached)."""
+    source, then a state dict, a file, a Hub id, a URL. Hub and URL weights are downloaded (and cached);
+    `ungated` names an ungated copy of gated Hub weights for the error line."""
     source = cfg.get("source") or ""
     if source == "local-dir":
         return Path(cfg["file"])
@@ -45,10 +48,8 @@ def pretrained_source(cfg: Mapping[str, Any], cache_dir: str | Path | None = Non
         if cfg.get("file"):
             return Path(cfg["file"])
     if cfg.get("hf_hub_id"):
-        return hub_weights(cfg, cache_dir=cache_dir)
+        return hub_weights(cfg, cache_dir=cache_dir, ungated=ungated)
     if cfg.get("url"):
-        from timm.models._hub import download_cached_file
-
         return Path(download_cached_file(cfg["url"], cache_dir=cache_dir))
     name = cfg.get("architecture") or "this model"
     raise RuntimeError(f"No pretrained weights exist for {name}. Use `pretrained=False` for random init.")
@@ -112,6 +113,8 @@ def load_pretrained(
     cache_dir: str | Path | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    *,
+    ungated: str = "",
     **model_args: Any,
 ) -> VisionTransformerLS:
     """Builds `VisionTransformerLS(**model_args)` with the weights of pretrained cfg `cfg`, streamed in.
@@ -120,7 +123,7 @@ def load_pretrained(
     and placed on `device` as it comes; no random init is computed and no second copy of the weights is held.
     """
     device = _resolve_device(device)
-    source = pretrained_source(cfg, cache_dir)
+    source = pretrained_source(cfg, cache_dir, ungated)
     model = VisionTransformerLS(device="meta", dtype=dtype, **model_args)
     model.pretrained_cfg = dict(cfg)  # names the architecture in error messages; timm's builder sets it again
     targets = model.state_dict()
@@ -139,6 +142,3 @@ def load_pretrained(
         fitted.plan.release()
     log_report(fitted.report(f"loaded a checkpoint with {fitted.layout}"))
     return model
-
-
-variants.set_pretrained_loader(load_pretrained)

@@ -13,7 +13,7 @@ from pathlib import Path
 import huggingface_hub
 from torch import nn
 
-from .checkpoints.targets import write_native_folder
+from .checkpoints.formats.native import write_native_folder
 from .variants import builtin_architecture
 
 __all__ = ["model_card", "push_to_hub", "save_for_hub", "save_native"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import partial
 from pathlib import Path
@@ -23,6 +22,8 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from .config import VitLsConfig
+from .hub import OFFICIAL_SUFFIX
+from .loading import load_pretrained
 from .model import VisionTransformerLS
 
 __all__ = ["VARIANTS", "Variant", "config_dir", "create_variant", "load_variant", "register_variant"]
@@ -33,10 +34,6 @@ VARIANTS: dict[str, Variant] = {}
 
 TOP_LEVEL_KEYS = ("description", "base", "model", "pretrained")
 TAG_CFG_KEYS = (*(f.name for f in fields(PretrainedCfg)), "model")
-# Builds a model with pretrained weights: (pretrained cfg, cache_dir, **model args) -> model. Loading sits above
-# the registry and installs itself here on import (loading.py), so the registry never imports upward.
-PretrainedLoader = Callable[..., VisionTransformerLS]
-_pretrained_loader: PretrainedLoader | None = None
 FEATURE_BLOCKS = 4  # features_only returns the last four blocks (or all, if fewer) unless out_indices says
 # timm 1.0.31 records a model's arguments (`model._model_args`) and its save_for_hf / push_to_hf_hub write
 # them; older timms write only the architecture, which must then stay the name that rebuilds the model.
@@ -150,9 +147,8 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
     if pretrained:
         # Built and loaded in one step, streamed into a model on the meta device (loading.py); timm's builder
         # still fills in its arguments, records the pretrained cfg and wraps features_only models afterwards.
-        if _pretrained_loader is None:
-            raise RuntimeError("pretrained loading is not installed: import timm_layerscale, not only its registry")
-        model_cls = partial(_pretrained_loader, cfg.to_dict(), kwargs.get("cache_dir"))
+        ungated = ungated_tag(variant, cfg.tag)
+        model_cls = partial(load_pretrained, cfg.to_dict(), kwargs.get("cache_dir"), ungated=ungated)
     model = build_model_with_cfg(
         model_cls,
         variant.name,
@@ -242,10 +238,10 @@ def find_variant(name: str, what: str = "model") -> tuple[Variant, str | None]:
     return variant, tag or None
 
 
-def set_pretrained_loader(loader: PretrainedLoader) -> None:
-    """Installs the function that builds a variant with pretrained weights (`pretrained=True`)."""
-    global _pretrained_loader
-    _pretrained_loader = loader
+def ungated_tag(variant: Variant, tag: str | None) -> str:
+    """`NAME.TAG` of the ungated copy of a gated tag's weights (`lvd1689m` for `lvd1689m_facebook`), or ''."""
+    ungated = (tag or "").removesuffix(OFFICIAL_SUFFIX)
+    return f"{variant.name}.{ungated}" if ungated != (tag or "") and ungated in variant.tags else ""
 
 
 def register_builtin_variants() -> None:

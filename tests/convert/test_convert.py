@@ -41,10 +41,12 @@ from timm_layerscale import (
     fold_layer_scale,
     rename_layer_scale,
 )
+from timm_layerscale.checkpoints.formats.meta import META
+from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
+from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS
 from timm_layerscale.checkpoints.gamma_keys import GAMMA_SPELLINGS
-from timm_layerscale.checkpoints.layouts import META, TIMM_EVA, TRANSFORMERS
 from timm_layerscale.checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
-from timm_layerscale.convert import expected_state, resolve_model
+from timm_layerscale.identity import expected_state, identify
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
 
@@ -114,7 +116,7 @@ def test_every_direction_loads_where_it_lands_with_the_sources_outputs(source, t
     dst = tmp_path / TARGET_PATHS[target]
     before = sorted(p.name for p in tmp_path.iterdir())
     result = convert(src, dst, target)
-    assert result.layout == {"meta": "meta", "native": "meta", "hf": "transformers", "timm": "timm-eva"}[source]
+    assert result.layout == {"meta": "meta", "native": "meta", "hf": "hf", "timm": "timm"}[source]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, dst.name])  # nothing else left
     assert_fp32_close(tokens_from(target, dst, "mlp")(images), expected(images))
 
@@ -297,7 +299,7 @@ def test_variant_is_inferred_from_the_shapes(name, layout):
     state = dict(expected_state(config))
     state["rope_embed.periods"] = torch.ones(state["rope_embed.periods"].shape)  # the one value inference reads
     if layout is not META:
-        state = dict(layout.from_native(state, qkv_bias=True)[0].items())
+        state = dict(layout.table.from_native(state, qkv_bias=True)[0].items())
     probe = LazyCheckpoint(
         Path("probe"),
         "state dict",
@@ -305,9 +307,9 @@ def test_variant_is_inferred_from_the_shapes(name, layout):
         {k: TensorInfo(v.shape, v.dtype) for k, v in state.items()},
         state.__getitem__,
     )
-    native = layout.to_native(probe)
-    resolved = resolve_model(native, None, {}, None)
-    assert resolved.name == name and "inferred from the shapes" in resolved.reason
+    native = layout.table.to_native(probe)
+    resolved = identify(native)
+    assert resolved.name == name and "from the shapes" in resolved.reason
 
 
 def test_shapes_of_no_variant_name_the_nearest_and_the_key(tmp_path):
@@ -432,15 +434,23 @@ def test_an_error_mid_write_leaves_nothing_behind(overwrite, tmp_path):
 
     broken = LazyCheckpoint(src, "broken", "all", {k: inner.info(k) for k in inner}, failing_read)
     dst = tmp_path / "nested" / "out"
+    dst.parent.mkdir()
     if overwrite:
-        dst.mkdir(parents=True)
+        dst.mkdir()
         (dst / "old.txt").write_text("old")
     with pytest.raises(OSError, match="disk went away"):
         convert(broken, dst, "hf", overwrite=overwrite)
     if overwrite:
         assert sorted(p.name for p in dst.parent.iterdir()) == ["out"] and (dst / "old.txt").read_text() == "old"
     else:
-        assert not (tmp_path / "nested").exists()
+        assert list(dst.parent.iterdir()) == []
+
+
+def test_a_destination_under_a_missing_folder_is_refused_before_any_read(tmp_path):
+    src, _ = make_source("meta", tmp_path)
+    with pytest.raises(CheckpointError, match=r"the folder .*nested does not exist; create it first"):
+        convert_checkpoint(LazyCheckpoint(src, "unread", "all", {}, lambda key: 1 / 0), tmp_path / "nested" / "out")
+    assert not (tmp_path / "nested").exists()
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -486,6 +496,7 @@ def test_converted_folders_load_from_the_hub(tmp_path, images):
     """`hf-hub:` through the real huggingface_hub client, against the local stand-in for the Hub."""
     src, expected = make_source("meta", tmp_path)
     repos = {"native": "someone/vit-ls-tiny", "timm": "someone/eva-tiny"}
+    (tmp_path / "hub" / "someone").mkdir(parents=True)
     for target, repo in repos.items():
         convert(src, tmp_path / "hub" / repo, target)
     save_file({"x": images}, tmp_path / "x.safetensors")
@@ -557,7 +568,8 @@ def test_a_folders_config_json_names_the_architecture(source, tmp_path, images):
         convert(src, tmp_path / "eva", "timm")
         folder = tmp_path / "eva"
     result = convert_checkpoint(folder, tmp_path / "out", to="native")
-    assert result.reason.startswith("named in config.json" if source != "hf" else "inferred from the shapes and")
+    assert result.reason.startswith("from the shapes and config.json")
+    assert result.variant == "vit_ls_small_patch16_dinov3"  # the nearest by the weights' shapes, whatever the config
     assert result.model_args["num_heads"] == 4  # from the config (the variant's own is 6)
     assert_fp32_close(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images))
 
@@ -654,7 +666,7 @@ def test_a_native_folder_writes_layer_scale_off_as_zero_and_keeps_what_exists(tm
     model = VisionTransformerLS(VARIANTS[VARIANT["mlp"]].config.replace(init_values=None, **TINY))
     save_native(model, tmp_path / "off")
     assert json.loads((tmp_path / "off" / "config.json").read_text())["model_args"]["init_values"] == 0
-    with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
+    with pytest.raises(CheckpointError, match="exists; pass overwrite=True"):
         save_native(model, tmp_path / "off")
     save_native(model, tmp_path / "off", overwrite=True)
 
@@ -666,7 +678,7 @@ def test_a_failed_rename_restores_the_destination(tmp_path, monkeypatch):
     replace = os.replace
 
     def refuse_new(source, target):
-        if ".tmp-" in str(source):
+        if ".tmp-" in str(source) and not Path(source).name.startswith(".old-"):  # the new folder, not the kept one
             raise OSError("rename refused")
         replace(source, target)
 

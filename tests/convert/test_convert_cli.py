@@ -142,7 +142,7 @@ def test_fused_conversion_says_so(runs: dict[str, Run]) -> None:
         ("no_variant", "match no registered variant; the nearest is vit_ls_small_patch16_dinov3: cls_token is"),
         ("missing", "absent.pth does not exist"),
         ("nan_strict", "LayerScale gammas are NaN or Inf in blocks 0.attn"),
-        ("meta_suffix", "--to meta writes one file: name it .pth or .safetensors"),
+        ("meta_suffix", "--to meta writes one file: name it .pth, .pt, .bin or .safetensors"),
         ("text_file", "notes.txt"),
         ("truncated", "truncated.safetensors"),
         ("dinov2", "this is a DINOv2 checkpoint: it has a learned position embedding (pos_embed [1, 17, 64])"),
@@ -265,7 +265,7 @@ def test_a_native_folder_to_meta_summary_counts_its_model_arguments_and_json_lis
     native = files / "out-native"  # with its config.json: every model argument, named there
     assert main(["convert", str(native), str(files / "short.pth"), "--to", "meta"]) == 0
     summary = capsys.readouterr().out.splitlines()[-1]
-    assert "vit_ls_small_patch16_dinov3 (named in config.json, with 36 model arguments)" in summary
+    assert "vit_ls_small_patch16_dinov3 (from the shapes and config.json, with 36 model arguments)" in summary
     assert len(summary) - len(str(native)) - len(str(files / "short.pth")) <= 200, summary
     assert main(["convert", str(native), str(files / "short.safetensors"), "--to", "meta", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

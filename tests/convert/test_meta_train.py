@@ -28,10 +28,16 @@ from transformers import DINOv3ViTConfig, DINOv3ViTModel
 from timm_layerscale import CheckpointError, convert_checkpoint
 from timm_layerscale.checkpoints.dcp import METADATA_FILE, MetadataUnpickler, read_metadata
 from timm_layerscale.checkpoints.dcp_writer import write_dcp
+from timm_layerscale.checkpoints.formats.meta_train import (
+    DEFAULT_HEADS,
+    RELEASED_HEADS,
+    HeadSize,
+    MetaHeads,
+    heads_from_config,
+)
 from timm_layerscale.checkpoints.reader import TensorInfo, open_checkpoint
 from timm_layerscale.cli import main
-from timm_layerscale.convert import ResolvedModel, released_shape
-from timm_layerscale.meta_heads import DEFAULT_HEADS, RELEASED_HEADS, HeadSize, MetaHeads, heads_from_config
+from timm_layerscale.identity import Identity
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
 
@@ -249,11 +255,11 @@ def test_head_sizes_come_from_the_config_merged_over_metas_defaults(tmp_path):
 def test_released_shapes_get_the_released_heads():
     for name in ("vit_ls_small_patch16_dinov3", "vit_ls_7b_patch16_dinov3", "vit_ls_huge_plus_patch16_dinov3"):
         config = VARIANTS[name].config
-        assert released_shape(ResolvedModel(name, None, config, "given"))
+        assert Identity(name, None, config, "given").released
         smaller = type(config).from_dict({**config.to_dict(), "depth": 2})
-        assert not released_shape(ResolvedModel(name, None, smaller, "given"))
+        assert not Identity(name, None, smaller, "given").released
         wider = type(config).from_dict({**config.to_dict(), "embed_dim": config.embed_dim * 2})
-        assert not released_shape(ResolvedModel(name, None, wider, "given"))
+        assert not Identity(name, None, wider, "given").released
 
 
 # ----------------------------------------------------------------------------------- the DCP folder

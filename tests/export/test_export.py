@@ -19,17 +19,13 @@ import torch
 from support import TINY, VARIANT, move_off_init_, transformers_reference
 
 from timm_layerscale import VitLsConfig, export_onnx, save_native
-from timm_layerscale import export as export_module
+from timm_layerscale import export as export_package
 from timm_layerscale.cli import main
-from timm_layerscale.export import (
-    SIDE_CHECK_NODE,
-    ExportError,
-    OnnxCheckError,
-    _export_program,
-    _ExportedForward,
-    check_onnx,
-)
-from timm_layerscale.export import _example_and_shapes as example_and_shapes
+from timm_layerscale.export import ExportError, OnnxCheckError, check_onnx
+from timm_layerscale.export import check as export_check
+from timm_layerscale.export import weights as export_weights
+from timm_layerscale.export.errors import CheckRow
+from timm_layerscale.export.graph import SIDE_CHECK_NODE, ExportedForward, example_and_shapes, export_program
 from timm_layerscale.model import VisionTransformerLS
 from timm_layerscale.variants import VARIANTS, config_dir
 
@@ -113,7 +109,7 @@ def test_model_options_export_and_match(kwargs, tmp_path):
 
 
 def test_the_check_fails_above_the_tolerance_and_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setitem(export_module.TOLERANCE, "fp32", 0.0)
+    monkeypatch.setitem(export_check.TOLERANCE, "fp32", 0.0)
     with pytest.raises(OnnxCheckError, match="relative") as failed:
         export_onnx(tiny(), tmp_path / "m.onnx", check=True, check_sizes=SIZES[:1])
     assert failed.value.rows and os.listdir(tmp_path) == []
@@ -123,10 +119,10 @@ def test_the_check_fails_above_the_tolerance_and_leaves_nothing(tmp_path, monkey
     "dtype, worst, fails", [("fp32", 0.9e-4, False), ("fp32", 1.1e-4, True), ("fp16", 1.1e-2, True)]
 )
 def test_the_stated_tolerance_decides(dtype, worst, fails, tmp_path, monkeypatch):
-    row = export_module.CheckRow(32, 32, 1, "pooled", worst, worst)
-    monkeypatch.setattr(export_module, "check_onnx", lambda *args, **kwargs: [row])
+    row = CheckRow(32, 32, 1, "pooled", worst, worst)
+    monkeypatch.setattr(export_package, "check_onnx", lambda *args, **kwargs: [row])
     if fails:
-        with pytest.raises(OnnxCheckError, match=f"tolerance {export_module.TOLERANCE[dtype]:g}"):
+        with pytest.raises(OnnxCheckError, match=f"tolerance {export_check.TOLERANCE[dtype]:g}"):
             export_onnx(tiny(), tmp_path / "m.onnx", dtype=dtype, check=True)
         assert os.listdir(tmp_path) == []
     else:
@@ -344,7 +340,7 @@ def test_fp16_from_a_checkpoint_streams_cast_weights(tmp_path):
 
 def test_a_check_beyond_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     save_native(tiny(), tmp_path / "native")
-    monkeypatch.setattr(export_module.os, "sysconf", lambda name: 1024)  # a 1 MiB machine
+    monkeypatch.setattr(export_weights.os, "sysconf", lambda name: 1024)  # a 1 MiB machine
     with pytest.raises(ExportError, match="more than half this machine's memory"):
         export_onnx(tmp_path / "native", tmp_path / "m.onnx", check=True)
     assert sorted(os.listdir(tmp_path)) == ["native"]
@@ -355,7 +351,7 @@ def test_the_7b_graph_at_reduced_depth_has_the_7b_shapes():
     config = VARIANTS["vit_ls_7b_patch16_dinov3"].config.replace(depth=2, num_classes=0)
     meta = VisionTransformerLS(config, device="meta", dtype=torch.float16).eval()
     example, shapes = example_and_shapes(config, torch.float16, None, None, "meta")
-    program = _export_program(_ExportedForward(meta, "pooled", []), example, shapes, ["pooled"], None, False)
+    program = export_program(ExportedForward(meta, "pooled", []), example, shapes, ["pooled"], None, False)
     initializers = {name: tuple(v.shape) for name, v in program.model.graph.initializers.items()}
     expected = {k: tuple(v.shape) for k, v in meta.state_dict().items() if not k.startswith("local_cls_norm.")}
     assert initializers == expected
@@ -397,13 +393,13 @@ def test_the_command_exports_and_checks(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["vit_ls_smal_patch16_dinov3", "{dst}"], "neither a checkpoint file or folder nor a registered variant"),
+        (["vit_ls_smal_patch16_dinov3", "{dst}"], "is not a registered variant"),
         ([VARIANT["mlp"], "{dst}", *SMALL, "--size", "225x224"], "not a multiple of the patch size 16"),
         ([VARIANT["mlp"], "{dst}", *SMALL, "--size", "big"], "--size"),
         ([VARIANT["mlp"], "{dst}", *SMALL, "--batch", "0"], "--batch"),
         ([VARIANT["mlp"], "{dst}", *SMALL, "--dtype", "bf16"], "unknown dtype"),
         ([VARIANT["mlp"], "{dst}", *SMALL, "--outputs", "features:9"], "--outputs"),
-        ([VARIANT["mlp"], "{dir}/m.pt", *SMALL], "name the destination .onnx"),
+        ([VARIANT["mlp"], "{dir}/m.pt", *SMALL], "export writes one file: name it .onnx"),
         ([VARIANT["mlp"], "{dir}/absent/m.onnx", *SMALL], "does not exist"),
         (["{dir}/notes.txt", "{dst}"], "notes.txt"),
         (["vit_ls_small_patch16_dinov3.nope", "{dst}"], "no pretrained tag 'nope'"),
@@ -438,7 +434,7 @@ def test_an_existing_destination_is_kept(tmp_path):
 
 
 def test_a_failed_check_exits_1_and_writes_nothing(tmp_path, monkeypatch):
-    monkeypatch.setitem(export_module.TOLERANCE, "fp32", 0.0)
+    monkeypatch.setitem(export_check.TOLERANCE, "fp32", 0.0)
     code, out, err = main_run("export", VARIANT["mlp"], str(tmp_path / "m.onnx"), *SMALL, "--check")
     assert code == 1 and len(out.splitlines()) == 6 and "check failed" in err and "nothing was written" in err
     assert os.listdir(tmp_path) == []

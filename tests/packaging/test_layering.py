@@ -9,39 +9,45 @@ import ast
 from pathlib import Path
 
 import timm_layerscale
+import timm_ls
 
 PACKAGE = Path(timm_layerscale.__file__).parent
 ROOT = "timm_layerscale"
+FRONT = Path(timm_ls.__file__).parent  # the command's front and what it shares with the package, torch-free
 
 # Bottom to top; a module may import its own layer and those below. Checked by the first matching prefix.
 LAYERS = (
+    ("timm_ls.names", -1),
+    ("timm_ls.destinations", -1),
     ("config", 0),
     ("layers", 1),
     ("checkpoints", 2),
     ("model", 3),
     ("fsdp", 3),
-    ("variants", 4),
-    ("loading", 5),
-    ("hub", 5),
-    ("meta_heads", 5),
-    ("convert", 6),
-    ("publish", 6),
-    ("export", 6),
-    ("tools", 6),
-    ("cli", 7),
-    ("", 8),  # the package itself: its public names
+    ("hub", 4),
+    ("loading", 4),
+    ("variants", 5),
+    ("identity", 6),
+    ("convert", 7),
+    ("publish", 7),
+    ("export", 7),
+    ("tools", 7),
+    ("cli", 8),
+    ("timm_ls", 9),  # the entry point: it loads a command's module when that command runs
+    ("", 9),  # the package itself: its public names
 )
 
 
 def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    root = FRONT if path.is_relative_to(FRONT) else PACKAGE
+    parts = path.relative_to(root).with_suffix("").parts
     if parts[-1] == "__init__":
         parts = parts[:-1]
-    return ".".join((ROOT, *parts))
+    return ".".join((root.name, *parts))
 
 
 def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+    return {module_name(p): p for p in [*sorted(PACKAGE.rglob("*.py")), *sorted(FRONT.rglob("*.py"))]}
 
 
 def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
@@ -67,7 +73,7 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool
             # `from X import y` imports the module X.y where there is one, else X
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         for target in targets:
-            while target and target not in known and target.startswith(ROOT + "."):
+            while target and target not in known and target.startswith((ROOT + ".", FRONT.name + ".")):
                 target = target.rpartition(".")[0]
             if target in known and target != name:
                 found.append((target, node.lineno, id(node) in deferred))
@@ -152,10 +158,13 @@ def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
 
 def test_every_module_has_a_layer():
     """A new module is placed on purpose: only the package's own `__init__` takes the top layer by default."""
+    prefixes = [prefix for prefix, _ in LAYERS if prefix]
     unplaced = [
         name
         for name in modules()
         if name != ROOT
-        and not any(name.removeprefix(ROOT + ".").partition(".")[0] == prefix for prefix, _ in LAYERS if prefix)
+        and not any(
+            (inner := name.removeprefix(ROOT + ".")) == prefix or inner.startswith(prefix + ".") for prefix in prefixes
+        )
     ]
     assert unplaced == []

@@ -52,3 +52,12 @@ def unknown_name_reason(name: str) -> str:
     if name in _WITHOUT_TORCH_DTYPE:
         return f"{name}, which has no torch dtype here"
     return f"{name}, which is no safetensors dtype this package knows"
+
+
+# The dtypes a conversion or export casts to, by the names the command takes (`timm_ls.names.CAST_DTYPES`).
+_CAST_NAMES = {"fp32": "F32", "bf16": "BF16", "fp16": "F16"}
+
+
+def cast_dtype(name: str) -> torch.dtype:
+    """torch's dtype for `fp32`, `bf16` or `fp16`."""
+    return SAFETENSORS_DTYPES[_CAST_NAMES[name]]

@@ -12,15 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers import RopeEmbedding
+from ..layers import RopeEmbedding, effective_qkv_bias, k_bias_mask
 from .errors import CheckpointError
 from .gamma_keys import NATIVE_GAMMA_KEY
 from .layer_scale import LayerScalePlan, plan_layer_scale, suspicious_gammas
-from .layouts import effective_qkv_bias
-from .plan import Plan, Step
+from .plan import PERIODS, Plan, Step
 
 Tensor = torch.Tensor
 
+# Keys a checkpoint may lack that fitting fills (zeros, or the model's own fresh value), by key ending: a file
+# without them says nothing about which model it is.
+FILLED_KEY_ENDINGS = ("attn.qkv.bias", "attn.qkv.bias_mask", PERIODS, "mask_token")
 # Keys a layout may lack that the model's own fresh value fills, by key ending.
 OWN_VALUE_FILLS = {
     "attn.qkv.bias_mask": "qkv bias masks (k masked)",
@@ -31,6 +33,11 @@ OWN_VALUE_FILLS = {
 # Keys that only some options create, and the option that creates them.
 # `{}` stands for whether the checkpoint holds the key.
 OPTION_KEYS = (("cls_norm.", "cls_norm={}"), ("mlp.w1.", "ffn_layer='swiglu'"), ("mlp.fc1.", "ffn_layer='mlp'"))
+
+
+def fillable(key: str) -> bool:
+    """Whether fitting fills `key` when a checkpoint lacks it (a gamma is set to 1)."""
+    return key.endswith(FILLED_KEY_ENDINGS) or NATIVE_GAMMA_KEY.match(key) is not None
 
 
 @dataclass
@@ -142,10 +149,7 @@ def own_value(key: str, target: Tensor, config) -> Tensor:
     if target.device.type != "meta":
         return target.detach().clone()
     if key.endswith("attn.qkv.bias_mask"):
-        mask = torch.ones(target.shape)
-        third = target.shape[0] // 3
-        mask[third : 2 * third] = 0.0
-        return mask
+        return k_bias_mask(target.shape[0])
     if key.endswith("rope_embed.periods"):
         rope = RopeEmbedding(config.head_dim, base=config.rope_base, round_periods_to_bf16=config.rope_periods_bf16)
         return rope.periods.detach().clone()

@@ -1,12 +1,14 @@
 """LayerScale's key spellings, in one table that every layout, timm family and report reads them from.
 
 A spelling names a block's LayerScale vector after its `<stack>.<block>.` prefix, with N the branch:
-1 scales the attention, 2 the MLP.
+1 scales the attention, 2 the MLP (`BRANCHES[N - 1]`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from typing import Any
 
 # spelling -> where it is written
 GAMMA_SPELLINGS = {
@@ -15,7 +17,6 @@ GAMMA_SPELLINGS = {
     "layer_scaleN.lambda1": "transformers' DINOv2 and DINOv3",
 }
 NATIVE_SPELLING = "lsN.gamma"
-BRANCHES = ("attn", "mlp")  # branch N is BRANCHES[N - 1]
 
 
 def gamma_name(spelling: str, branch: int | str) -> str:
@@ -37,3 +38,27 @@ NATIVE_GAMMA_KEY = re.compile(r"^blocks\.(\d+)\." + _branch_pattern(NATIVE_SPELL
 
 def native_gamma_key(block: int, branch: int | str) -> str:
     return f"blocks.{block}.{gamma_name(NATIVE_SPELLING, branch)}"
+
+
+def rename_layer_scale(state_dict: Mapping[str, Any], to: str) -> dict[str, Any]:
+    """Renames LayerScale keys of any ViT-like state dict to one spelling, keeping order and values.
+
+    `to` is "lsN.gamma" (Meta, timm ViT), "gamma_N" (timm eva, CaiT, DeiT-III) or "layer_scaleN.lambda1"
+    (transformers). Other keys are left as they are.
+    """
+    if to not in GAMMA_SPELLINGS:
+        raise ValueError(f"to: got {to!r}; allowed: {', '.join(GAMMA_SPELLINGS)}")
+
+    def rename(key: str) -> str:
+        found = ANY_GAMMA_KEY.search(key)
+        if found is None:
+            return key
+        branch = next(b for b in found.groups()[1:] if b)
+        return key[: found.end(1)] + gamma_name(to, branch)
+
+    renamed = {rename(k): v for k, v in state_dict.items()}
+    if len(renamed) != len(state_dict):
+        raise ValueError(
+            f"the state dict holds the same LayerScale under two spellings; keep one before renaming to {to}"
+        )
+    return renamed

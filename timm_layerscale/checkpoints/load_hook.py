@@ -1,6 +1,6 @@
 """file -> layout -> mapping -> load: every checkpoint layout becomes a model's own state dict.
 
-`plan_load` plans every load from shapes, on the per-layout key tables (`layouts.py`) and fitting rules
+`plan_load` plans every load from shapes, on the formats' key tables (`formats/`) and fitting rules
 (`fit.py`), reading one tensor at a time: pretrained loading streams its plan into a model on the meta
 device (`timm_layerscale.loading`), and `convert_state_dict` runs it for a `load_state_dict` pre-hook on
 every model, because `timm.models.load_checkpoint`, `checkpoint_path=`,
@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn
 
 from .fit import Fitted, fit_to_model
-from .layouts import StateDict, detect_layout, layout_title
+from .formats import recognise
+from .keys import StateDict
 from .plan import Plan
 from .reader import LazyCheckpoint, open_checkpoint
 
@@ -37,14 +38,14 @@ def plan_load(
     changes the checkpoint in native keys before it is fitted (pretrained loading adapts head and stem there).
     """
     source = checkpoint if isinstance(checkpoint, LazyCheckpoint) else open_checkpoint(checkpoint)
-    layout = detect_layout(source)
+    fmt = recognise(source)
     name = getattr(model, "pretrained_cfg", {}).get("architecture") or type(model).__name__
     config = getattr(model, "config", None)
-    native = layout.to_native(source)
+    native = fmt.table.to_native(source)
     return fit_to_model(
         prepare(native) if prepare else native,
         model.state_dict(),
-        layout=layout_title(layout, source),
+        layout=fmt.title,
         model_name=name,
         config=config,
         reinit_layer_scale=pretrained and getattr(config, "reinit_layer_scale", False),

@@ -17,6 +17,7 @@ import torch
 from .reader import TensorInfo
 
 Tensor = torch.Tensor
+PERIODS = "rope_embed.periods"  # RoPE's periods buffer: kept in its dtype by casts, never a fill's dtype
 # A step's function: its input tensors (None for an absent optional input) -> one tensor or None per output.
 StepFn = Callable[..., Sequence[Tensor | None]]
 
@@ -113,3 +114,13 @@ def cast_plan(plan: Plan, dtype: torch.dtype | None, keep: Iterable[str] = ()) -
         return (tensor.to(dtype) if tensor.is_floating_point() else tensor,)
 
     return Plan(plan, [Step((k,), (k,)) if k in keep else Step((k,), (k,), cast) for k in plan])
+
+
+def dominant_dtype(tensors: Mapping[str, Tensor]) -> torch.dtype:
+    """The floating dtype holding most of the bytes (RoPE periods aside): fills are made in it."""
+    totals: dict[torch.dtype, int] = {}
+    for key in tensors:
+        info = info_of(tensors, key)
+        if info.dtype.is_floating_point and key != PERIODS:
+            totals[info.dtype] = totals.get(info.dtype, 0) + info.nbytes
+    return max(totals, key=totals.get) if totals else torch.float32

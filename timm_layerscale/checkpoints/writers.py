@@ -3,7 +3,7 @@
 safetensors has no streaming writer (its `save_file` takes every tensor at once), so the format is written
 here: an 8-byte little-endian header length, the JSON header with each tensor's dtype, shape and byte
 range, then the bytes in that order. Private memory stays near the largest tensor, whatever the file's
-size. Every output is written under a temporary name beside the destination and renamed when complete.
+size. Every output is written into a staging folder beside the destination and renamed when complete.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ import os
 import shutil
 import struct
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from huggingface_hub import constants, split_state_dict_into_shards_factory
 from safetensors import safe_open
+
+from timm_ls.destinations import destination_problem
 
 from .dtypes import safetensors_name
 from .errors import CheckpointError
@@ -144,39 +146,67 @@ def write_text(path: Path, text: str) -> None:
 
 
 @contextmanager
-def atomic_destination(dst: Path, overwrite: bool = False, folder: bool = False) -> Iterator[Path]:
-    """A temporary path beside `dst` to write into; renamed to `dst` when the block completes.
+def atomic_destination(
+    dst: Path,
+    overwrite: bool = False,
+    folder: bool = False,
+    *,
+    what: str = "the writer",
+    companions: Sequence[str] = (),
+) -> Iterator[Path]:
+    """A temporary path to write `dst` at (a folder made for it when `folder`), put in place when the block
+    completes: `dst` appears complete, or not at all.
 
-    An existing `dst` is kept unless `overwrite`; on any error nothing is left behind (not even the
-    parent folders this created) and an overwritten `dst` is restored.
+    The destination follows the one rule (`timm_ls.destinations`): its folder exists, it is named as what is
+    written, and it is replaced only with `overwrite`. `companions` are names of files written beside it (an
+    ONNX file's `.data`), replaced with it as a group: the old files are kept aside until every new one is in
+    place and put back if any rename fails, and an old companion the new write has none of is removed. Only
+    a crash between the renames can leave a mixed group. The staging folder beside `dst` is removed in all
+    cases, and a failed write leaves `dst` and its companions as they were.
     """
-    if dst.exists() and not overwrite:
-        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it, or choose another path")
-    created = [p for p in (dst.parent, *dst.parent.parents) if not p.exists()]
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = dst.with_name(f".{dst.name}.tmp-{tag}")
-    old = dst.with_name(f".{dst.name}.old-{tag}")
+    dst = Path(dst)
+    problem = destination_problem(
+        dst,
+        folder=folder,
+        what=what,
+        overwrite=overwrite,
+        overwrite_hint="overwrite=True",
+        companions=[dst.with_name(name) for name in companions],
+    )
+    if problem:
+        raise CheckpointError(problem)
+    stage = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+    stage.mkdir()
     try:
+        staged = stage / dst.name
         if folder:
-            tmp.mkdir()
-        yield tmp
-        if dst.exists() or dst.is_symlink():
-            os.replace(dst, old)
-        try:
-            os.replace(tmp, dst)
-        except BaseException:
-            if old.exists():
-                os.replace(old, dst)
-            raise
-    except BaseException:
-        _remove(tmp)
-        for parent in created:  # innermost first
-            if parent.exists() and not any(parent.iterdir()):
-                parent.rmdir()
-        raise
-    _remove(old)
+            staged.mkdir()
+        yield staged
+        _replace_group(stage, dst.parent, [dst.name, *companions])
+    finally:
+        _remove(stage)
     _sync_dir(dst.parent)
+
+
+def _replace_group(stage: Path, parent: Path, names: Sequence[str]) -> None:
+    """Moves the staged `names` into `parent`, the old ones aside first and back again if a move fails."""
+    kept, moved = [], []
+    try:
+        for name in names:
+            old = parent / name
+            if old.exists() or old.is_symlink():
+                os.replace(old, stage / f".old-{name}")
+                kept.append(name)
+        for name in names:
+            if (stage / name).exists():
+                os.replace(stage / name, parent / name)
+                moved.append(name)
+    except BaseException:
+        for name in moved:
+            _remove(parent / name)
+        for name in kept:
+            os.replace(stage / f".old-{name}", parent / name)
+        raise
 
 
 def _remove(path: Path) -> None:

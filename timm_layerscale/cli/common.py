@@ -16,10 +16,10 @@ import timm
 import yaml
 from torch import nn
 
-from ..hub import HubError, fetch_hub_weights
-from ..variants import VARIANTS, Variant, VariantNameError, find_variant, register_variant
+from timm_ls.names import is_variant_file
 
-VARIANT_FILE_SUFFIXES = (".yaml", ".yml")
+from ..hub import HubError, fetch_hub_weights
+from ..variants import VARIANTS, Variant, VariantNameError, find_variant, register_variant, ungated_tag
 
 
 class CliError(Exception):
@@ -34,10 +34,6 @@ def count(number: int, noun: str) -> str:
 def warn(message: str) -> None:
     """A fallback or a doubt about the input: one line on stderr, so stdout stays the result."""
     print(f"timm-ls: warning: {' '.join(message.split())}", file=sys.stderr)
-
-
-def is_variant_file(name: str) -> bool:
-    return name.lower().endswith(VARIANT_FILE_SUFFIXES)
 
 
 def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
@@ -123,7 +119,7 @@ def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[
         raise CliError(f"{variant.name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
     try:  # the one Hub request; a gated repo or a missing file is its one-line error
         with quiet_hub():
-            weights = fetch_hub_weights(cfg, cache_dir=kwargs.get("cache_dir"))
+            weights = fetch_hub_weights(cfg, cache_dir=kwargs.get("cache_dir"), ungated=ungated_tag(variant, tag))
     except HubError as exc:
         if exc.unreachable is None:
             raise

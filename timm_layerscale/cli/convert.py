@@ -7,9 +7,11 @@ import json
 import sys
 from dataclasses import asdict
 
+from timm_ls.names import CAST_DTYPES, FORMATS, KEEP, WEIGHTS_SETS
+
+from ..checkpoints import get_format
 from ..checkpoints.reader import open_checkpoint
-from ..checkpoints.targets import TARGETS
-from ..convert import DTYPES, WEIGHTS, convert_checkpoint
+from ..convert import convert_checkpoint
 from .common import CliError, parse_model_kwargs
 
 EPILOG = """examples:
@@ -40,8 +42,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="a folder (native, hf, timm) or a .pth/.safetensors file (meta); meta-train: a .pth file, or a name "
         "without a suffix for a distributed checkpoint folder",
     )
-    targets = "; ".join(f"{t.name}: {t.description}" for t in TARGETS.values())
-    parser.add_argument("--to", required=True, metavar="{" + ",".join(TARGETS) + "}", help=targets)
+    targets = "; ".join(f"{t.name}: {t.description}" for t in FORMATS)
+    parser.add_argument("--to", required=True, metavar="{" + ",".join(t.name for t in FORMATS) + "}", help=targets)
     parser.add_argument("--model", metavar="NAME[.TAG]|VARIANT.yaml", help="the variant (default: from the shapes)")
     parser.add_argument(
         "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="override its args, e.g. depth=2"
@@ -49,11 +51,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype",
         default=None,
-        metavar="{" + ",".join(DTYPES) + "}",
+        metavar="{" + ",".join((KEEP, *CAST_DTYPES)) + "}",
         help="cast the weights (RoPE periods keep theirs); default keep, fp32 for meta-train",
     )
     parser.add_argument(
-        "--weights", default="auto", metavar="{" + ",".join(WEIGHTS) + "}", help="EMA/teacher or trained weights"
+        "--weights", default="auto", metavar="{" + ",".join(WEIGHTS_SETS) + "}", help="EMA/teacher or trained weights"
     )
     parser.add_argument("--fuse-layerscale", action="store_true", help="fold every gamma into the layer before it")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
@@ -82,12 +84,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def convert(args: argparse.Namespace) -> int:
-    if args.weights not in WEIGHTS:
-        raise CliError(f"unknown weights set {args.weights!r}; pass --weights one of {', '.join(WEIGHTS)}")
-    meta_train = args.to == "meta-train"
-    if not meta_train and (args.meta_config or args.distill_teacher):
+    if args.weights not in WEIGHTS_SETS:
+        raise CliError(f"unknown weights set {args.weights!r}; pass --weights one of {', '.join(WEIGHTS_SETS)}")
+    target = get_format(args.to)
+    if args.to != "meta-train" and (args.meta_config or args.distill_teacher):
         raise CliError("--meta-config and --distill-teacher are for --to meta-train")
-    with open_checkpoint(args.src, args.weights, heads=meta_train) as source:
+    with open_checkpoint(args.src, args.weights, heads=target.reads_heads) as source:
         result = convert_checkpoint(
             source,
             args.dst,

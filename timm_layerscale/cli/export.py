@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..export import DTYPES, TOLERANCE, OnnxCheckError, export_onnx, require_onnx
+from timm_ls.names import EXPORT_DTYPES
+
+from ..export import OnnxCheckError, export_onnx, require_onnx
+from ..export.check import TOLERANCE
 from .common import parse_model_kwargs
 
 EPILOG = """examples:
@@ -40,7 +43,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="override its args, e.g. depth=2"
     )
     parser.add_argument("--pretrained", action="store_true", help="a variant name's Hub weights (else random init)")
-    parser.add_argument("--dtype", default="fp32", metavar="{" + ",".join(DTYPES) + "}", help="weights and activations")
+    parser.add_argument(
+        "--dtype", default="fp32", metavar="{" + ",".join(EXPORT_DTYPES) + "}", help="weights and activations"
+    )
     parser.add_argument("--batch", default="dynamic", metavar="N|dynamic", help="the batch size (default: dynamic)")
     parser.add_argument("--size", default="dynamic", metavar="HxW|dynamic", help="the input sides (default: dynamic)")
     parser.add_argument(

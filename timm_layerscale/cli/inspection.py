@@ -20,11 +20,13 @@ import timm
 import torch
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
+from timm_ls.names import is_variant_file
+
 from ..checkpoints.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
 from ..hub import unreachable_reason
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
 from ..variants import VARIANTS
-from .common import CliError, is_variant_file, parse_model_kwargs, quiet_hub
+from .common import CliError, parse_model_kwargs, quiet_hub
 from .common import resolve_variant as resolve_vit_ls
 from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
 

@@ -7,7 +7,9 @@ import runpy
 import sys
 from pathlib import Path
 
-from .common import CliError, is_variant_file, register_variant_file
+from timm_ls.names import is_variant_file
+
+from .common import CliError, register_variant_file
 
 MODEL_FLAGS = ("--model", "-m")
 

@@ -1,4 +1,4 @@
-from .attention import Attention, KMaskedBiasLinear
+from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask
 from .block import Block
 from .ffn import SwiGLU, swiglu_hidden_features
 from .layer_scale import LayerScale, layer_scale_or_identity
@@ -12,6 +12,8 @@ __all__ = [
     "RopeEmbedding",
     "SwiGLU",
     "apply_rope",
+    "effective_qkv_bias",
+    "k_bias_mask",
     "layer_scale_or_identity",
     "swiglu_hidden_features",
 ]

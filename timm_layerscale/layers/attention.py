@@ -23,6 +23,19 @@ def rotate_queries_keys(qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor
     return apply_rope(qk, rope)
 
 
+def k_bias_mask(out_features: int) -> torch.Tensor:
+    """A fresh qkv bias mask: ones, with the k third zero (DINOv3 never adds a k bias it did not load)."""
+    mask = torch.ones(out_features)
+    third = out_features // 3
+    mask[third : 2 * third] = 0.0
+    return mask
+
+
+def effective_qkv_bias(bias: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """What the forward adds: the qkv bias times its (loaded) mask, or the bias itself without one."""
+    return bias if mask is None else bias * mask.to(bias.dtype)
+
+
 class KMaskedBiasLinear(nn.Linear):
     """The qkv projection whose bias is multiplied by `bias_mask` (DINOv3's k-bias masking).
 
@@ -36,12 +49,10 @@ class KMaskedBiasLinear(nn.Linear):
         self.reset_bias_mask()
 
     def reset_bias_mask(self) -> None:
-        third = self.out_features // 3
-        self.bias_mask.fill_(1.0)
-        self.bias_mask[third : 2 * third] = 0.0
+        self.bias_mask.copy_(k_bias_mask(self.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias * self.bias_mask.to(self.bias.dtype))
+        return F.linear(x, self.weight, effective_qkv_bias(self.bias, self.bias_mask))
 
 
 class Attention(nn.Module):

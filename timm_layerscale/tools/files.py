@@ -1,22 +1,13 @@
-"""Results are written whole or not at all: a temporary file beside the target, then a rename."""
+"""Results are written whole or not at all: staged beside the target, then renamed (the package's one helper)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
+
+from ..checkpoints.writers import atomic_destination
 
 
 def write_atomically(path: Path, data: bytes | str) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make results private by accident
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Writes `data` to `path`, replacing what is there only once the new file is complete."""
+    with atomic_destination(Path(path), overwrite=True) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)

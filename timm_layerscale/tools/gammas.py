@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..checkpoints.gamma_keys import BRANCHES, SPELLING_PATTERNS
+from ..checkpoints.gamma_keys import SPELLING_PATTERNS
+from ..config import BRANCHES
 
 MUTED_BELOW = 1e-3
 BLOCK_KEY = re.compile(r"^(?P<stack>(?:.+\.)?[A-Za-z_]\w*)\.(?P<index>\d+)\.(?P<rest>.+)$")

@@ -1,4 +1,11 @@
-"""Meta's DINOv3 pretraining heads: their sizes from a training config, their keys, and new ones made lazily.
+"""Meta's DINOv3 training checkpoints: what Meta's trainer resumes from (`student.resume_from_teacher_chkpt`),
+anchors to (`gram.ckpt`) and distils from (`distillation.checkpoint_path`).
+
+`{"teacher": ...}` in a `.pth` file, or a torch.distributed.checkpoint folder (`iteration` and `model.*`), keys
+`backbone.` + Meta's backbone keys beside `dino_head.*` and `ibot_head.*`. The reader unwraps such files by
+itself (weights sets, the `backbone.` prefix, heads kept apart with `open_checkpoint(heads=True)`), so what it
+reads is Meta's released layout. Written with the source's heads, or new ones made as Meta's DINOHead makes
+them, sized by a training YAML, as released, or by Meta's defaults.
 
 Meta's trainer builds `dino_head` and `ibot_head` as `DINOHead(in_dim=embed_dim, out_dim=head_n_prototypes,
 hidden_dim=head_hidden_dim, bottleneck_dim=head_bottleneck_dim, nlayers=head_nlayers)`: an MLP of `nlayers`
@@ -11,16 +18,24 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
-from .checkpoints.errors import CheckpointError
-from .checkpoints.reader import LazyCheckpoint, TensorInfo
-from .config import VitLsConfig
+from timm_ls.names import FORMATS
+
+from ...config import BRANCHES, VitLsConfig
+from ..dcp_writer import write_dcp
+from ..errors import CheckpointError
+from ..plan import Plan, cast_plan, info_of, passthrough
+from ..reader import ONLY_SET, LazyCheckpoint, TensorInfo
+from ..writers import Progress, write_torch_file
+from .base import OUTPUT_CHANGING, PERIODS, Export, Format, Job, losses, with_all_gammas
+from .meta import META
 
 Tensor = torch.Tensor
 HEAD_NAMES = ("dino_head", "ibot_head")
@@ -205,3 +220,119 @@ def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_sc
 
 def _yaml_bool(value: bool) -> str:
     return "true" if value else "false"
+
+
+# ---------------------------------------------------------------------------------------- the format
+
+META_TRAIN_DCP_ITEMS = {"iteration": 0}  # Meta's save_checkpoint writes the iteration beside `model`
+# Why Meta's DINOv3 trainer cannot hold a part of the backbone: warnings (errors with strict).
+HEAD_NOTE = "no classifier in Meta's backbone"
+WARM_UP = (
+    "new heads on a trained backbone: warm them up with the backbone frozen before joint training "
+    "(fresh heads trained jointly from the start can wreck the features)"
+)
+
+
+def _joined(parts: Mapping[str, Mapping[str, Tensor]]) -> LazyCheckpoint:
+    """Lazy mappings (plans, checkpoints) as one, each under its prefix; a tensor is read only when asked."""
+    where = {prefix + key: (part, key) for prefix, part in parts.items() for key in part}
+    infos = {key: info_of(part, inner) for key, (part, inner) in where.items()}
+    return LazyCheckpoint(Path("joined"), "joined", ONLY_SET, infos, lambda key: where[key][0][where[key][1]])
+
+
+def _layer_scale_limits(config: VitLsConfig) -> tuple[bool, list[str]]:
+    """Whether Meta's blocks get gammas, and what of this model's LayerScale Meta's single init value cannot hold."""
+    pairs = config.layer_init_values
+    values = {v for pair in pairs for v in pair if v}
+    off = [f"{i}.{branch}" for i, pair in enumerate(pairs) for branch, v in zip(BRANCHES, pair) if not v]
+    if not values:
+        return False, []  # LayerScale off everywhere: Meta's blocks use an identity (student.layerscale: null)
+    limits = []
+    if off:
+        shown = ", ".join(off[:6]) + (f" (+{len(off) - 6})" if len(off) > 6 else "")
+        limits.append(
+            f"LayerScale off in some branches only ({shown}): Meta's blocks all have it, gammas of 1 are written"
+        )
+    if len(values) > 1:
+        limits.append(
+            f"LayerScale init values per branch ({', '.join(f'{v:g}' for v in sorted(values))}): Meta's "
+            f"student.layerscale is one value"
+        )
+    return True, limits
+
+
+def _heads(job: Job) -> tuple[MetaHeads, Mapping[str, Tensor], list[str], list[str]]:
+    """The heads written (sizes and tensors), with notes and warnings: the source's, else new ones."""
+    config, chosen = job.config, job.options.get("meta_config")
+    source = job.heads or {}
+    if source:
+        sizes = heads_of({k: source.info(k) for k in source}, config.embed_dim, str(job.heads.path))
+        if chosen is not None and chosen.infos(config.embed_dim, job.fill_dtype) != sizes.infos(
+            config.embed_dim, job.fill_dtype
+        ):
+            raise CheckpointError(
+                f"the source's heads are {sizes.describe()}, the --meta-config's {chosen.describe()}: Meta's "
+                f"strict load (and distillation, whose prototype counts must match) would refuse them; set the "
+                f"config's dino:/ibot: head sizes to the source's"
+            )
+        return sizes, source, [f"heads carried: {sizes.describe()}"], []
+    seed = job.options.get("seed", 0)
+    sizes = chosen or (RELEASED_HEADS if job.released else DEFAULT_HEADS)
+    why = "--meta-config" if chosen else "as released" if sizes is RELEASED_HEADS else "Meta's defaults"
+    notes = [f"heads new (seed {seed}, {why}): {sizes.describe()}; {WARM_UP}"]
+    warnings = []
+    if job.options.get("distill_teacher"):
+        warnings.append(
+            "a distillation teacher needs trained heads: this source has none, so its new heads teach random "
+            "prototypes; train them first (continued pretraining with the backbone frozen), or convert a "
+            "checkpoint that carries them"
+        )
+    return sizes, new_heads(sizes, config.embed_dim, seed), notes, warnings
+
+
+class MetaTrain(Format):
+    spec = next(s for s in FORMATS if s.name == "meta-train")
+    title = META.title
+    table = META.table
+    reads_heads = True
+    default_dtype = "fp32"  # Meta's trainer keeps fp32 master weights
+    takes = {"meta_config": None, "seed": 0, "distill_teacher": False}
+
+    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        checked = dict(options)
+        if checked.get("meta_config") is not None:
+            checked["meta_config"] = heads_from_config(checked["meta_config"])
+        return checked
+
+    def export(self, job: Job) -> Export:
+        """Meta's trainer's keys: `backbone.` + Meta's backbone keys, and the carried or new heads."""
+        config = job.config
+        layer_scale, limits = _layer_scale_limits(config)
+        full = (
+            with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype) if layer_scale else job.tensors
+        )
+        backbone, unheld = self.table.from_native(full)
+        not_held, warnings = losses(unheld, self.name, (*OUTPUT_CHANGING, "head"), named={"head": HEAD_NOTE})
+        not_held += limits
+        warnings += [f"meta-train cannot hold {limit}" for limit in limits]
+        sizes, made, notes, head_warnings = _heads(job)
+        # Carried heads keep their dtype unless cast; new ones are made in the backbone's (with "keep": its fills').
+        head_plan = cast_plan(Plan(made, passthrough(made)), job.cast if job.heads else job.cast or job.fill_dtype)
+        out = _joined({"backbone.": backbone, "": head_plan})
+        plan = Plan(out, passthrough(out))
+        floating = {
+            plan.info(k).dtype for k in plan if plan.info(k).dtype.is_floating_point and not k.endswith(PERIODS)
+        }
+        notes.append(f"written in {'/'.join(sorted(str(dtype).removeprefix('torch.') for dtype in floating))}")
+        bias_mask = any(k.endswith("attn.qkv.bias_mask") for k in backbone)
+        yaml_lines = meta_yaml(job.dst.resolve(), sizes, config, layer_scale, bias_mask)
+        return Export(plan, _writer(plan, job.dst), not_held, warnings + head_warnings, notes, yaml_lines)
+
+
+def _writer(plan: Plan, dst: Path) -> Callable[[Path, Progress | None], None]:
+    if dst.suffix:
+        return lambda tmp, bar: write_torch_file(tmp, plan, progress=bar, under="teacher")
+    return lambda tmp, bar: write_dcp(tmp, plan, "model", META_TRAIN_DCP_ITEMS, progress=bar)
+
+
+META_TRAIN = MetaTrain()

@@ -1,0 +1,92 @@
+"""The checkpoint formats, one module each, and their registry: by name for writing, by recognition for reading.
+
+| format | module | files | config |
+|---|---|---|---|
+| native | native.py | `model.safetensors` | timm `config.json`: a shipped vit_ls architecture and every model arg |
+| meta | meta.py | one `.pth` (or `.safetensors`) | none (Meta's code builds the model) |
+| meta-train | meta_train.py | `{"teacher": ...}` `.pth`, or a DCP folder (`model.*`) | Meta's training YAML (printed) |
+| hf | transformers.py | `model.safetensors` (sharded above 5 GB, with an index) | transformers `config.json` |
+| timm | timm_eva.py | `model.safetensors` | timm `config.json`: eva's DINOv3 architecture (`_qkvb` for q/v biases) |
+
+Adding a format is one module with a `Format` subclass and one `register_format` call; convert, export, inspect
+and loading find it by name or by recognition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from .base import CONFIG_FILE, WEIGHTS_FILE, Export, Format, Job, SourceConfig
+from .foreign import foreign_family
+from .meta import META
+from .meta_train import META_TRAIN
+from .native import NATIVE
+from .timm_eva import TIMM_EVA
+from .transformers import TRANSFORMERS
+
+__all__ = [
+    "CONFIG_FILE",
+    "FORMATS",
+    "WEIGHTS_FILE",
+    "Export",
+    "Format",
+    "Job",
+    "SourceConfig",
+    "get_format",
+    "recognise",
+    "register_format",
+    "source_config",
+]
+
+FORMATS: dict[str, Format] = {}  # by name, in the order the command lists them
+# The order recognition asks the shipped formats in: the most specific keys first (eva's and transformers'
+# names, then a native file's head, then Meta's own keys). Formats registered later are asked before them.
+SHIPPED_RECOGNITION = ("timm", "hf", "native", "meta")
+
+
+def register_format(fmt: Format) -> Format:
+    """Adds a format: `convert_checkpoint(..., to=fmt.name)` writes it, and files it `recognise`s are read."""
+    if not isinstance(fmt, Format):
+        raise TypeError(f"register_format takes a Format, got {type(fmt).__name__}")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+for _shipped in (NATIVE, META, META_TRAIN, TRANSFORMERS, TIMM_EVA):
+    register_format(_shipped)
+
+
+def get_format(name: str) -> Format:
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise CheckpointError(f"unknown target {name!r}; pass --to one of {', '.join(FORMATS)}")
+    return fmt
+
+
+def recognise(source: Mapping[str, torch.Tensor]) -> Format:
+    """The format of a checkpoint's keys, or a `CheckpointError` naming what it is instead."""
+    foreign = foreign_family(source)
+    if foreign:
+        raise CheckpointError(foreign)
+    keys = list(source)
+    added = [fmt for name, fmt in FORMATS.items() if name not in SHIPPED_RECOGNITION]
+    for fmt in (*added, *(FORMATS[name] for name in SHIPPED_RECOGNITION)):
+        if fmt.recognise(keys):
+            return fmt
+    raise CheckpointError(
+        f"unrecognised checkpoint layout (first keys: {', '.join(keys[:4])}); expected Meta DINOv3, "
+        f"transformers DINOv3ViT or timm eva DINOv3 weights"
+    )
+
+
+def source_config(cfg: Mapping[str, Any] | None) -> SourceConfig | None:
+    """What a config.json beside a checkpoint says of its model, read by the format it belongs to."""
+    for fmt in FORMATS.values():
+        found = fmt.read_config(cfg or {}) if cfg else None
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,197 @@
+"""What every format module fills in, and what they share: the format's place in a conversion (`Job` in,
+`Export` out), config field tables read and written the same way, gammas of 1, and what a target cannot hold.
+
+A format owns its two-way key table, how it is recognised, its config fields (both ways), its target options,
+what it cannot hold, and its writer. `convert_checkpoint` opens, identifies, plans and hands the format a `Job`;
+the format answers with an `Export`: its tensors, how to write them, and what it loses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from timm_ls.names import FormatSpec
+
+from ...config import VitLsConfig
+from ...layers import swiglu_hidden_features
+from ..gamma_keys import native_gamma_key
+from ..keys import KeyTable
+from ..plan import PERIODS, Plan, Step, passthrough
+from ..reader import LazyCheckpoint
+from ..writers import Progress
+
+Tensor = torch.Tensor
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+# Pretrained-config fields that say where weights came from, not what they are: never written.
+_SOURCE_FIELDS = ("url", "hf_hub_id", "hf_hub_filename", "source", "file", "state_dict", "architecture")
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """What a config file travelling with a checkpoint says: model args and the pretrained cfg (data config,
+    licence) it completes the weights with. It never names the variant: the weights' shapes do."""
+
+    args: dict[str, Any]
+    pretrained_cfg: dict[str, Any] | None = None
+
+
+@dataclass
+class Job:
+    """What a format needs to write a checkpoint: the fitted tensors in native keys and the model they make."""
+
+    tensors: Plan  # native keys, fitted to `config` and cast
+    config: VitLsConfig
+    architecture: str  # the shipped variant that names this model (its YAML's base, or the nearest)
+    pretrained_cfg: dict[str, Any]
+    fill_dtype: torch.dtype  # what new tensors are made in
+    cast: torch.dtype | None  # the requested dtype, None to keep each tensor's
+    dst: Path
+    released: bool = False  # the shapes of a released DINOv3
+    max_shard_size: int | str = "5GB"
+    heads: LazyCheckpoint | None = None  # Meta's pretraining heads carried by the source
+    options: dict[str, Any] = field(default_factory=dict)  # the format's own (`Format.takes`)
+
+
+@dataclass
+class Export:
+    tensors: Plan  # in the format's keys
+    write: Callable[[Path, Progress | None], None]  # into the temporary destination
+    not_held: list[str]
+    warnings: list[str]
+    notes: list[str] = field(default_factory=list)
+    text: str | None = None  # lines for the user to keep (Meta's training YAML)
+
+
+class Format:
+    """One checkpoint format. Subclasses set `spec` (its `--to` name and what it writes), `title` (its keys as
+    users name them) and `table`, and override what they support."""
+
+    spec: FormatSpec
+    title: str
+    table: KeyTable
+    always_layer_scale = True  # its models have LayerScale on every branch: gammas of 1 stand in for none
+    reads_heads = False  # the reader keeps Meta's pretraining heads (`open_checkpoint(heads=True)`) for it
+    takes: Mapping[str, Any] = {}  # options of its own, with their defaults
+    default_dtype = "keep"  # what `dtype=None` means for it
+    drops_zero_qkv_biases = False  # its files leave out qkv biases that are all zero (so absence means zero)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def recognise(self, keys: Sequence[str]) -> bool:
+        """Whether a checkpoint with these keys is in this format (the registry asks in its order)."""
+        return False
+
+    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
+        """The model args of a config.json of this format travelling with the weights, or None if it is not one."""
+        return None
+
+    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Its own options (`takes`), checked (and parsed) before any work."""
+        return dict(options)
+
+    def export(self, job: Job) -> Export:
+        """Its tensors from the job's native ones, how to write them, and what it cannot hold."""
+        raise NotImplementedError(f"{self.name} cannot be written")
+
+    def writes_folder(self, dst: Path) -> bool:
+        return self.spec.writes_folder(dst.name)
+
+    def __repr__(self) -> str:
+        return f"<format {self.name}>"
+
+
+# ------------------------------------------------------------------------------------------- config fields
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One field of a format's config and the model arg it is: read and written through the same row.
+
+    `ours` names a field of `VitLsConfig` holding the same value; a derived field instead gives `write`
+    (config -> their value) and `read` (their whole config -> our args).
+    """
+
+    theirs: str
+    ours: str = ""
+    write: Callable[[VitLsConfig], Any] | None = None
+    read: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+
+
+def read_fields(fields: Sequence[ConfigField], cfg: Mapping[str, Any]) -> dict[str, Any]:
+    args: dict[str, Any] = {}
+    for f in fields:
+        if f.theirs in cfg:
+            args.update(f.read(cfg) if f.read else {f.ours: cfg[f.theirs]} if f.ours else {})
+    return args
+
+
+def write_fields(fields: Sequence[ConfigField], config: VitLsConfig) -> dict[str, Any]:
+    return {f.theirs: f.write(config) if f.write else getattr(config, f.ours) for f in fields}
+
+
+def hidden_features(config: VitLsConfig) -> int:
+    if config.ffn_layer == "swiglu":
+        return swiglu_hidden_features(config.embed_dim, config.ffn_ratio, config.swiglu_align_to)
+    return int(config.embed_dim * config.ffn_ratio)
+
+
+def pretrained_cfg_fields(pretrained_cfg: Mapping[str, Any], num_classes: int) -> dict[str, Any]:
+    """A pretrained cfg to write: what the weights are (data config, licence), not where they came from."""
+    cfg = {k: v for k, v in pretrained_cfg.items() if k not in _SOURCE_FIELDS and v is not None}
+    cfg["num_classes"] = num_classes
+    return cfg
+
+
+def with_all_gammas(tensors: Plan, depth: int, dim: int, dtype: torch.dtype) -> Plan:
+    """Adds gammas of 1 where a branch has none: the same outputs in a format that always has LayerScale."""
+    keys = [native_gamma_key(i, branch) for i in range(depth) for branch in (1, 2)]
+    missing = [key for key in keys if key not in tensors]
+    if not missing:
+        return tensors
+    ones = torch.ones(dim, dtype=dtype)
+    return Plan(tensors, [*passthrough(tensors), *(Step((key,), (), lambda: (ones,)) for key in missing)])
+
+
+# --------------------------------------------------------------------------------------- what is not held
+
+# Native key groups a format may drop, and what losing them means.
+UNHELD_NOTES = {
+    PERIODS: "recomputed in fp32 there",
+    "cls_norm": "cls and storage tokens are normed by norm there: their outputs differ",
+    "local_cls_norm": "used only in local-crop pretraining",
+    "mask_token": "used only for masked inputs",
+    "head": "no classifier there",
+}
+# Losses that change the model's outputs: warnings (errors with strict).
+OUTPUT_CHANGING = ("cls_norm",)
+
+
+def unheld_groups(keys: list[str]) -> list[str]:
+    """`cls_norm.weight`, `cls_norm.bias` -> `cls_norm`; block keys by their name within the block."""
+    groups = []
+    for key in keys:
+        name = key.split(".", 2)[2] if key.startswith("blocks.") else key
+        name = name.removesuffix(".weight").removesuffix(".bias")
+        if name not in groups:
+            groups.append(name)
+    return groups
+
+
+def losses(
+    unheld: list[str], to: str, changing: tuple[str, ...] = OUTPUT_CHANGING, named: Mapping[str, str] | None = None
+) -> tuple[list[str], list[str]]:
+    """What a format has no key for, by group (`named` words a group its own way), and as warnings the losses
+    in `changing`, which change the outputs."""
+    groups = unheld_groups(unheld)
+    named = named or {}
+    not_held = [named.get(g) or (f"{g} ({UNHELD_NOTES[g]})" if g in UNHELD_NOTES else g) for g in groups]
+    warnings = [f"{to} cannot hold {g}: {UNHELD_NOTES[g]}" for g in groups if g in changing]
+    return not_held, warnings

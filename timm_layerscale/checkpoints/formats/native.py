@@ -1,0 +1,95 @@
+"""This package's own folders: `model.safetensors` in the native keys (Meta's, plus a classifier head) and
+timm's `config.json` naming a shipped `vit_ls` architecture with every model argument, so `local-dir:` and
+`hf-hub:` rebuild the exact model. What `--to native`, `save_native` and `push_to_hub` write.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from timm_ls.names import FORMATS
+
+from ...config import VitLsConfig
+from ..keys import KeyTable, row
+from ..writers import Progress, atomic_destination, write_safetensors, write_text
+from .base import CONFIG_FILE, WEIGHTS_FILE, Export, Format, Job, SourceConfig, pretrained_cfg_fields
+from .meta import NATIVE_KEYS, native_keys
+
+Tensor = torch.Tensor
+
+
+def native_config(config: VitLsConfig, architecture: str, pretrained_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """timm's config.json for this package's weights. Every model arg is written, so the folder does not depend
+    on the variant's YAML defaults of the day."""
+    return {
+        "architecture": architecture,
+        "num_classes": config.num_classes,
+        "num_features": config.embed_dim,
+        "global_pool": config.global_pool,
+        "model_args": config.rebuild_args(),
+        "pretrained_cfg": pretrained_cfg_fields(pretrained_cfg, config.num_classes),
+    }
+
+
+def write_native_files(
+    folder: Path,
+    tensors: Mapping[str, Tensor],
+    config: VitLsConfig,
+    architecture: str,
+    pretrained_cfg: Mapping[str, Any],
+    progress: Progress | None = None,
+) -> None:
+    write_safetensors(folder / WEIGHTS_FILE, tensors, progress=progress)
+    write_text(folder / CONFIG_FILE, json.dumps(native_config(config, architecture, pretrained_cfg), indent=2))
+
+
+def write_native_folder(
+    folder: Path,
+    tensors: Mapping[str, Tensor],
+    config: VitLsConfig,
+    architecture: str,
+    pretrained_cfg: Mapping[str, Any],
+    overwrite: bool = False,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Writes `model.safetensors` and timm's `config.json` for `tensors` (native keys, a plan or a state dict),
+    and `extra_files` (name -> text, a model card), under a temporary name renamed to `folder` when complete."""
+    folder = Path(folder)
+    with atomic_destination(folder, overwrite, folder=True, what="save_native") as tmp:
+        write_native_files(tmp, tensors, config, architecture, pretrained_cfg)
+        for name, text in (extra_files or {}).items():
+            write_text(tmp / name, text)
+    return folder
+
+
+class Native(Format):
+    spec = next(s for s in FORMATS if s.name == "native")
+    title = "timm-layerscale keys"
+    table = KeyTable(tuple(row(key, key) for key in NATIVE_KEYS))
+    always_layer_scale = False
+
+    def recognise(self, keys: Sequence[str]) -> bool:
+        return native_keys(keys) and any(key.startswith("head.") for key in keys)
+
+    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
+        if not isinstance(cfg.get("model_args"), dict) or not str(cfg.get("architecture", "")).startswith("vit_ls"):
+            return None
+        fields = set(VitLsConfig.field_names())
+        args = {k: v for k, v in cfg["model_args"].items() if k in fields}
+        return SourceConfig(args, dict(cfg.get("pretrained_cfg") or {}))
+
+    def export(self, job: Job) -> Export:
+        tensors, config = job.tensors, job.config
+
+        def write(tmp: Path, bar: Progress | None) -> None:
+            write_native_files(tmp, tensors, config, job.architecture, job.pretrained_cfg, bar)
+
+        return Export(tensors, write, [], [])
+
+
+NATIVE = Native()

@@ -1,0 +1,231 @@
+"""timm's eva DINOv3 (`vit_*_patch16_dinov3[_qkvb]`): a folder with `model.safetensors` and timm's `config.json`
+naming eva's architecture of the same shape. What `--to timm` writes and `timm.create_model("local-dir:...")`
+builds into timm's own eva.
+
+Keys as eva's: `reg_token` for the storage tokens, LayerScale as `gamma_N`, SwiGLU as `fc1_g`/`fc1_x`/`fc2`,
+q and v biases apart (`_qkvb` architectures) or none, no k bias, mask token, periods or local-cls norm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from timm_ls.names import FORMATS
+
+from ...config import VitLsConfig
+from ...layers import effective_qkv_bias
+from ..errors import CheckpointError
+from ..gamma_keys import NATIVE_SPELLING, gamma_name
+from ..keys import KeyTable, row
+from ..writers import Progress, write_safetensors, write_text
+from .base import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    ConfigField,
+    Export,
+    Format,
+    Job,
+    SourceConfig,
+    hidden_features,
+    losses,
+    pretrained_cfg_fields,
+    read_fields,
+    with_all_gammas,
+    write_fields,
+)
+from .transformers import k_bias_blocks
+
+Tensor = torch.Tensor
+SPELLING = "gamma_N"
+
+# Our shipped variant -> timm's eva DINOv3 architecture of the same shape (`_qkvb` added for q/v biases).
+EVA_ARCHITECTURES = {
+    "vit_ls_small_patch16_dinov3": "vit_small_patch16_dinov3",
+    "vit_ls_small_plus_patch16_dinov3": "vit_small_plus_patch16_dinov3",
+    "vit_ls_base_patch16_dinov3": "vit_base_patch16_dinov3",
+    "vit_ls_large_patch16_dinov3": "vit_large_patch16_dinov3",
+    "vit_ls_huge_plus_patch16_dinov3": "vit_huge_plus_patch16_dinov3",
+    "vit_ls_7b_patch16_dinov3": "vit_7b_patch16_dinov3",
+}
+EVA_WITHOUT_QKVB = ("vit_7b_patch16_dinov3",)
+# What eva's DINOv3 architectures fix, and the value they fix it to.
+EVA_FIXED = {"norm_eps": 1e-5, "proj_bias": True, "ffn_bias": True, "rope_normalize_coords": "separate"}
+EVA_POOLS = ("token", "avg", "avgmax", "max", "")
+
+
+def _qkv_bias_to_eva(bias: Tensor, mask: Tensor | None, *, qkv_bias: bool = True, **_):
+    if not qkv_bias:
+        return None, None
+    q, _, v = effective_qkv_bias(bias, mask).chunk(3)
+    return q, v
+
+
+def _eva_qkv_bias_to_native(q: Tensor, v: Tensor, **_) -> tuple[Tensor, None]:
+    return torch.cat([q, torch.zeros_like(q), v]), None
+
+
+def _native_gamma(branch: int) -> str:
+    return "blocks.{i}." + gamma_name(NATIVE_SPELLING, branch)
+
+
+TABLE = KeyTable(
+    (
+        row("cls_token", "cls_token"),
+        row("storage_tokens", "reg_token"),
+        row("patch_embed.proj.{p}", "patch_embed.proj.{p}"),
+        row("blocks.{i}.norm1.{p}", "blocks.{i}.norm1.{p}"),
+        row("blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.qkv.weight"),
+        row(
+            ("blocks.{i}.attn.qkv.bias", "blocks.{i}.attn.qkv.bias_mask?"),
+            ("blocks.{i}.attn.q_bias", "blocks.{i}.attn.v_bias"),
+            _eva_qkv_bias_to_native,
+            _qkv_bias_to_eva,
+        ),
+        row("blocks.{i}.attn.proj.{p}", "blocks.{i}.attn.proj.{p}"),
+        row(_native_gamma(1), "blocks.{i}." + gamma_name(SPELLING, 1)),
+        row("blocks.{i}.norm2.{p}", "blocks.{i}.norm2.{p}"),
+        row(
+            ("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}", "blocks.{i}.mlp.w3.{p}"),
+            ("blocks.{i}.mlp.fc1_g.{p}", "blocks.{i}.mlp.fc1_x.{p}", "blocks.{i}.mlp.fc2.{p}"),
+        ),
+        row("blocks.{i}.mlp.fc1.{p}", "blocks.{i}.mlp.fc1.{p}"),
+        row("blocks.{i}.mlp.fc2.{p}", "blocks.{i}.mlp.fc2.{p}"),
+        row(_native_gamma(2), "blocks.{i}." + gamma_name(SPELLING, 2)),
+        row("norm.{p}", "norm.{p}"),
+        row("head.{p}", "head.{p}"),
+    )
+)
+
+
+def _ratio_for(hidden: int, dim: int) -> float:
+    """A ratio whose `int(dim * ratio)` is exactly `hidden` (how eva sizes its MLP)."""
+    ratio = hidden / dim
+    while int(dim * ratio) < hidden:
+        ratio = math.nextafter(ratio, math.inf)
+    return ratio
+
+
+def _ffn_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    if "embed_dim" not in args:
+        return {}
+    dim = args["embed_dim"]
+    hidden = int(dim * args["mlp_ratio"])
+    if not args.get("swiglu_mlp"):
+        return {"ffn_layer": "mlp", "ffn_ratio": hidden / dim}
+    align = args.get("swiglu_align_to") or 1
+    hidden += -hidden % align
+    return {"ffn_layer": "swiglu", "ffn_ratio": hidden * 1.5 / dim, "swiglu_align_to": align}
+
+
+# eva's model args <-> ours, both ways.
+CONFIG_FIELDS = (
+    *(ConfigField(name, name) for name in ("img_size", "patch_size", "in_chans", "num_classes", "global_pool")),
+    *(ConfigField(name, name) for name in ("embed_dim", "depth", "num_heads")),
+    ConfigField("mlp_ratio", write=lambda c: _ratio_for(hidden_features(c), c.embed_dim), read=_ffn_args),
+    ConfigField("swiglu_mlp", write=lambda c: c.ffn_layer == "swiglu"),
+    ConfigField("swiglu_align_to", write=lambda c: c.swiglu_align_to if c.ffn_layer == "swiglu" else 0),
+    ConfigField("num_reg_tokens", "num_storage_tokens"),
+    ConfigField("rope_temperature", "rope_base"),
+    ConfigField("dynamic_img_size", "dynamic_img_size"),
+    ConfigField("dynamic_img_pad", "dynamic_img_pad"),
+)
+
+
+def eva_architecture(config: VitLsConfig, variant: str, qkv_bias: bool) -> str:
+    """eva's DINOv3 architecture for a shipped `variant`, or one error line naming what eva cannot build."""
+    base = EVA_ARCHITECTURES.get(variant)
+    if base is None:
+        raise CheckpointError(
+            f"timm's eva has no DINOv3 architecture for {variant} (it has the shapes of "
+            f"{', '.join(EVA_ARCHITECTURES)}); convert --to native, hf or meta instead"
+        )
+    if qkv_bias and base in EVA_WITHOUT_QKVB:
+        raise CheckpointError(
+            f"timm's eva has no {base}_qkvb to hold this checkpoint's non-zero q/v biases; convert --to native, "
+            f"hf or meta instead"
+        )
+    for name, fixed in EVA_FIXED.items():
+        if getattr(config, name) != fixed:
+            raise CheckpointError(
+                f"timm's eva DINOv3 architectures fix {name}={fixed!r}, this model has {name}="
+                f"{getattr(config, name)!r}; convert --to native, hf or meta instead"
+            )
+    if config.global_pool not in EVA_POOLS:
+        raise CheckpointError(
+            f"timm's eva has no global_pool={config.global_pool!r}; pass --model-kwargs global_pool=token"
+        )
+    return base + ("_qkvb" if qkv_bias else "")
+
+
+def eva_config(config: VitLsConfig, variant: str, qkv_bias: bool, pretrained_cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """timm's config.json naming eva's DINOv3 architecture for `variant`, with every model arg."""
+    cfg = pretrained_cfg_fields(pretrained_cfg, config.num_classes)
+    cfg["fixed_input_size"] = not config.dynamic_img_size
+    return {
+        "architecture": eva_architecture(config, variant, qkv_bias),
+        "num_classes": config.num_classes,
+        "num_features": config.embed_dim,
+        "global_pool": config.global_pool,
+        "model_args": write_fields(CONFIG_FIELDS, config),
+        "pretrained_cfg": cfg,
+    }
+
+
+def qv_bias(tensors: Mapping[str, Tensor], depth: int) -> bool:
+    """Whether any effective q or v bias is non-zero (eva's `_qkvb` architectures hold them)."""
+    for i in range(depth):
+        key = f"blocks.{i}.attn.qkv.bias"
+        if key in tensors:
+            q, _, v = effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")).chunk(3)
+            if q.any() or v.any():
+                return True
+    return False
+
+
+class TimmEva(Format):
+    spec = next(s for s in FORMATS if s.name == "timm")
+    title = "timm eva keys"
+    table = TABLE
+    drops_zero_qkv_biases = True  # eva's plain architectures have no q/v bias: Meta's all-zero ones are left out
+
+    def recognise(self, keys: Sequence[str]) -> bool:
+        eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")
+        return "reg_token" in keys or any(k.endswith(eva_keys) for k in keys)
+
+    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
+        eva_names = set(EVA_ARCHITECTURES.values())
+        if str(cfg.get("architecture")).removesuffix("_qkvb") not in eva_names:
+            return None
+        return SourceConfig(
+            read_fields(CONFIG_FIELDS, cfg.get("model_args") or {}), dict(cfg.get("pretrained_cfg") or {})
+        )
+
+    def export(self, job: Job) -> Export:
+        config = job.config
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
+        with_qv = qv_bias(full, config.depth)
+        out, unheld = self.table.from_native(full, qkv_bias=with_qv)
+        not_held, warnings = losses(unheld, self.name)
+        k_blocks = k_bias_blocks(full, config.depth)
+        if k_blocks:
+            blocks = ", ".join(map(str, k_blocks))
+            not_held.append(f"non-zero k biases (blocks {blocks})")
+            warnings.append(
+                f"timm's eva has no k bias: the non-zero k biases of blocks {blocks} are dropped, outputs differ"
+            )
+        cfg = eva_config(config, job.architecture, with_qv, job.pretrained_cfg)
+
+        def write(tmp: Path, bar: Progress | None) -> None:
+            write_safetensors(tmp / WEIGHTS_FILE, out, progress=bar)
+            write_text(tmp / CONFIG_FILE, json.dumps(cfg, indent=2))
+
+        return Export(out, write, not_held, warnings)
+
+
+TIMM_EVA = TimmEva()

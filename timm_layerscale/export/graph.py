@@ -1,0 +1,188 @@
+"""The exported graph: one input `pixel_values`, named outputs, sides checked in the graph, half precision with
+its norms in fp32, dynamic batch and sides, and the metadata that says how to feed it."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import VitLsConfig
+from ..model import VisionTransformerLS
+from .errors import ExportError
+
+INPUT_NAME = "pixel_values"
+MAX_PATCHES = 1024  # per side, the most a dynamic export promises (16384 px at patch 16)
+MAX_BATCH = 1 << 16
+SIDE_CHECK_NODE = "pixel_values_sides_must_be_multiples_of_the_patch_size"
+
+
+def parse_outputs(outputs: str | Sequence[int] | None, depth: int) -> tuple[str, list[int]]:
+    """`pooled`, `tokens` or `features:I,J,...` (negative block indices count from the end)."""
+    spec = (outputs or "pooled").strip()
+    kind, _, indices = spec.partition(":")
+    if kind in ("pooled", "tokens") and not indices:
+        return kind, []
+    if kind == "features":
+        try:
+            blocks = [int(i) for i in indices.split(",") if i.strip()]
+        except ValueError:
+            blocks = []
+        blocks = [b + depth if b < 0 else b for b in blocks]
+        if blocks and all(0 <= b < depth for b in blocks) and len(set(blocks)) == len(blocks):
+            return kind, sorted(blocks)
+        raise ExportError(
+            f"--outputs {spec}: name distinct blocks 0 to {depth - 1} (or -1 for the last), e.g. features:{depth - 1}"
+        )
+    raise ExportError(f"--outputs: got {spec!r}; pass pooled, tokens or features:I,J,... (block indices)")
+
+
+def output_names(kind: str, blocks: Sequence[int]) -> list[str]:
+    return [f"features_{b}" for b in blocks] if kind == "features" else [kind]
+
+
+class ExportedForward(nn.Module):
+    """The graph's one input and named outputs; the sides checked in the graph itself.
+
+    ONNX has no assert: the input is reshaped to `[N, C, H/p, p, W/p, p]` and back, a Reshape that
+    ONNX Runtime (and any runtime) refuses when a side is not a multiple of p, where the patch
+    embedding's convolution would silently drop the remainder.
+    """
+
+    def __init__(self, model: VisionTransformerLS, kind: str, blocks: Sequence[int]) -> None:
+        super().__init__()
+        self.model = model
+        self.kind = kind
+        self.blocks = list(blocks)
+        self.check_sides = not model.patch_embed.dynamic_img_pad
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        x = pixel_values
+        if self.check_sides:
+            batch, chans, height, width = x.shape
+            p = self.model.patch_size
+            x = x.reshape(batch, chans, height // p, p, width // p, p).reshape(batch, chans, height, width)
+        if self.kind == "pooled":
+            return self.model(x)
+        if self.kind == "tokens":
+            return self.model.forward_features(x)
+        return tuple(self.model.forward_intermediates(x, indices=self.blocks, intermediates_only=True))
+
+
+class Fp32LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 in a half-precision graph, as the mixed-precision model runs it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).to(x.dtype)
+
+
+def norms_in_fp32(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if type(module) is nn.LayerNorm:
+            module.__class__ = Fp32LayerNorm  # the same parameters and keys, another forward
+            module.float()
+    return model
+
+
+def example_and_shapes(
+    config: VitLsConfig, dtype: torch.dtype, batch: int | None, size: tuple[int, int] | None, device: str
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    p = config.patch_size
+    n = batch or 2
+    height, width = size or (2 * p, 3 * p)
+    example = torch.zeros(n, config.in_chans, height, width, dtype=dtype, device=device)
+    dims: dict[int, Any] = {}
+    if batch is None:
+        dims[0] = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    if size is None:
+        if config.dynamic_img_pad:  # any side: the graph pads it up
+            dims[2] = torch.export.Dim("height", min=1, max=MAX_PATCHES * p)
+            dims[3] = torch.export.Dim("width", min=1, max=MAX_PATCHES * p)
+        else:  # sides in whole patches: the traced graph holds no remainder
+            dims[2] = p * torch.export.Dim("patches_h", min=1, max=MAX_PATCHES)
+            dims[3] = p * torch.export.Dim("patches_w", min=1, max=MAX_PATCHES)
+    return example, {"pixel_values": dims}
+
+
+def export_program(
+    forward: ExportedForward,
+    example: torch.Tensor,
+    shapes: dict[str, Any],
+    names: list[str],
+    opset: int | None,
+    optimize: bool,
+):
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):  # its progress lines
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            forward,
+            (example,),
+            None,
+            dynamo=True,
+            input_names=[INPUT_NAME],
+            output_names=names,
+            dynamic_shapes=shapes,
+            opset_version=opset,
+            optimize=optimize,
+            verbose=False,
+        )
+    graph = program.model.graph
+    for name in list(graph.initializers):  # the model's own state dict keys, without the wrapper's prefix
+        value = graph.initializers.pop(name)
+        value.name = name.removeprefix("model.")
+        graph.initializers[value.name] = value
+    for node in graph:  # the side check's Reshape, named so the runtime's error says why
+        if node.op_type == "Reshape" and node.inputs and node.inputs[0] is graph.inputs[0]:
+            node.name = SIDE_CHECK_NODE
+            break
+    return program
+
+
+def metadata(
+    src: Any,
+    config: VitLsConfig,
+    kind: str,
+    names: list[str],
+    dtype: str,
+    batch: int | None,
+    size: tuple[int, int] | None,
+    folded: bool,
+    opset: int,
+) -> dict[str, str]:
+    cfg = src.pretrained_cfg
+    if size is not None:
+        input_size = [config.in_chans, *size]
+    else:
+        input_size = list(cfg.get("input_size") or (config.in_chans, config.img_size, config.img_size))
+    licence = cfg.get("license") or "unknown"
+    if src.weights == "random init":
+        licence = "none (random init)"
+    shape = ["N" if batch is None else batch, config.in_chans] + (["H", "W"] if size is None else list(size))
+
+    return {
+        "variant": src.name,
+        "model_args": json.dumps(config.to_dict(), sort_keys=True),
+        "weights": src.weights,
+        "weights_license": licence,
+        "mean": json.dumps(list(cfg.get("mean") or (0.485, 0.456, 0.406))),
+        "std": json.dumps(list(cfg.get("std") or (0.229, 0.224, 0.225))),
+        "input_size": json.dumps(input_size),
+        "input_shape": json.dumps(shape),
+        "interpolation": str(cfg.get("interpolation") or "bicubic"),
+        "crop_pct": str(cfg.get("crop_pct", 1.0)),
+        "patch_size": str(config.patch_size),
+        "num_prefix_tokens": str(config.num_prefix_tokens),
+        "dynamic_img_pad": json.dumps(bool(config.dynamic_img_pad)),
+        "outputs": json.dumps(names),
+        "output_kind": kind,
+        "dtype": dtype,
+        "layerscale_folded": json.dumps(folded),
+        "opset": str(opset),
+        "exporter": f"timm-layerscale with torch {torch.__version__}",
+    }

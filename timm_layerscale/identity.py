@@ -1,0 +1,232 @@
+"""Which variant and arguments a checkpoint's weights are: one rule for convert, export and inspect.
+
+The variant is the registered one whose shapes are nearest the weights', whatever the source says of itself
+(a config.json travelling with the weights never changes which variant is named). Its arguments are then the
+variant's (and its tag's), what the weights' keys decide (biases, norms, head, LayerScale per branch, RoPE
+periods), what such a config completes (widths, heads, RoPE base, data config), and last the caller's. The
+result must build a model whose every key fits the weights, or the one error line names the nearest variant,
+the first key that differs and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from timm.models import get_pretrained_cfg
+
+from timm_ls.names import is_variant_file
+
+from .checkpoints.errors import CheckpointError
+from .checkpoints.fit import fillable
+from .checkpoints.formats import SourceConfig
+from .checkpoints.gamma_keys import native_gamma_key
+from .checkpoints.plan import PERIODS, Plan
+from .checkpoints.reader import TensorInfo
+from .config import VitLsConfig, resolve_init_values
+from .model import VisionTransformerLS
+from .variants import VARIANTS, Variant, VariantNameError, builtin_architecture, find_variant, load_variant
+
+__all__ = ["Identity", "expected_state", "identify", "key_args"]
+
+MAX_LISTED = 80  # characters of model arguments a reason lists; `Identity.config` has them all
+# What makes a released DINOv3's shape: equal in these, a model has the shapes Meta trained.
+SHAPE_FIELDS = ("embed_dim", "depth", "num_heads", "patch_size", "ffn_layer", "ffn_ratio", "swiglu_align_to")
+
+
+@dataclass
+class Identity:
+    """The model a checkpoint holds: its variant, full config, and why that variant."""
+
+    name: str
+    tag: str | None
+    config: VitLsConfig
+    reason: str
+    pretrained_cfg: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def full_name(self) -> str:
+        return f"{self.name}.{self.tag}" if self.tag else self.name
+
+    @property
+    def architecture(self) -> str:
+        """The shipped variant a saved config names for this model (its own, its YAML's base, or the nearest)."""
+        return builtin_architecture(self.name, self.config)
+
+    @property
+    def released(self) -> bool:
+        """Whether the model has the shapes of a released DINOv3: a registered variant's, unchanged."""
+        variant = VARIANTS.get(self.name)
+        return variant is not None and all(
+            getattr(variant.config, name) == getattr(self.config, name) for name in SHAPE_FIELDS
+        )
+
+
+@functools.lru_cache(maxsize=32)
+def _expected(config_json: str) -> dict[str, torch.Tensor]:
+    return VisionTransformerLS(VitLsConfig.from_dict(json.loads(config_json)), device="meta").state_dict()
+
+
+def expected_state(config: VitLsConfig) -> dict[str, torch.Tensor]:
+    """The state dict of the model `config` builds, on the meta device (nothing allocated)."""
+    return _expected(json.dumps(config.to_dict(), sort_keys=True))
+
+
+def key_args(
+    native: Mapping[str, torch.Tensor], base: Mapping[str, Any], zero_biases_dropped: bool = False
+) -> dict[str, Any]:
+    """The model args a checkpoint's keys decide over the variant's `base` args: biases, norms, head,
+    LayerScale per branch, periods. From a format that drops all-zero qkv biases (timm's plain eva files), a
+    qkv bias the variant has and the file lacks is a zero one, filled as Meta's released files hold it."""
+    keys = set(native)
+    depth = 1 + max((int(k.split(".")[1]) for k in keys if k.startswith("blocks.")), default=-1)
+    qkv_bias = "blocks.0.attn.qkv.bias" in keys or (zero_biases_dropped and bool(base.get("qkv_bias", True)))
+    args: dict[str, Any] = {
+        "qkv_bias": qkv_bias,
+        "proj_bias": "blocks.0.attn.proj.bias" in keys,
+        "ffn_bias": bool({"blocks.0.mlp.fc1.bias", "blocks.0.mlp.w1.bias"} & keys),
+        "cls_norm": "cls_norm.weight" in keys,
+        "local_cls_norm": "local_cls_norm.weight" in keys,
+        "num_classes": native.info("head.weight").shape[0] if "head.weight" in keys else 0,
+        "init_values": _layer_scale(keys, depth, _first_init_value(base)),
+    }
+    if PERIODS in keys:  # exact in bf16: Meta's rounding; the loaded periods win either way
+        periods = native[PERIODS].float()
+        args["rope_periods_bf16"] = bool(torch.equal(periods, periods.bfloat16().float()))
+    else:  # formats without periods compute them in fp32, unrounded
+        args["rope_periods_bf16"] = False
+    return args
+
+
+def _layer_scale(keys: set[str], depth: int, init_value: float) -> Any:
+    branches = [(native_gamma_key(i, 1) in keys, native_gamma_key(i, 2) in keys) for i in range(depth)]
+    if not any(a or m for a, m in branches):
+        return 0
+    if not all(a and m for a, m in branches):
+        return [{"attn": init_value if a else 0, "mlp": init_value if m else 0} for a, m in branches]
+    return init_value
+
+
+def _first_init_value(args: Mapping[str, Any]) -> float:
+    try:
+        resolved = resolve_init_values(args.get("init_values", 1e-5), int(args.get("depth", 1)))
+    except (ValueError, TypeError):
+        return 1e-5
+    return next((v for pair in resolved for v in pair if v), 1e-5)
+
+
+def differences(
+    infos: Mapping[str, TensorInfo], expected: Mapping[str, torch.Tensor], name: str
+) -> tuple[list[str], float]:
+    """The keys whose shapes differ between a checkpoint and a model, and how far apart the two are."""
+    found, distance = [], 0.0
+    for key, target in expected.items():
+        if key in infos and infos[key].shape != target.shape:
+            found.append(f"{key} is {list(infos[key].shape)} in the checkpoint but {list(target.shape)} in {name}")
+            distance += abs(math.log(max(infos[key].shape.numel(), 1) / max(target.shape.numel(), 1)))
+        elif key not in infos and not fillable(key):
+            found.append(f"{name} has {key} {list(target.shape)} and the checkpoint does not")
+            distance += 1
+    for key in infos:
+        if key not in expected and not key.startswith(("local_cls_norm.", "head.")) and not fillable(key):
+            found.append(f"the checkpoint has {key} {list(infos[key].shape)} and {name} does not")
+            distance += 1
+    return found, distance
+
+
+def _candidates(model: str | None) -> tuple[dict[str, Variant], str | None, str]:
+    """The variants to choose among, the tag asked for, and why."""
+    if model and is_variant_file(model):
+        variant = load_variant(model)  # not registered: the written config names a shipped architecture
+        return {variant.name: variant}, None, f"from {model}"
+    if model:
+        try:
+            variant, tag = find_variant(model)
+        except VariantNameError as exc:
+            raise CheckpointError(str(exc)) from None
+        return {variant.name: variant}, tag, "given"
+    return dict(sorted(VARIANTS.items())), None, "from the shapes"
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """The weights being identified: in native keys, and whether their format drops all-zero qkv biases."""
+
+    native: Plan
+    zero_biases_dropped: bool
+    fuse: bool
+
+
+def _config(variant: Variant, tag: str | None, weights: _Weights, overrides: Mapping[str, Any]) -> VitLsConfig:
+    base = {**variant.model_args, **variant.tag_model_args(tag)}
+    args = {**base, **key_args(weights.native, base, weights.zero_biases_dropped), **overrides}
+    if weights.fuse:  # every gamma folds: the model has LayerScale off
+        args["init_values"] = 0
+    return VitLsConfig.from_dict(args, source=f"the args of {variant.name}")
+
+
+def _nearest(variants: Mapping[str, Variant], tag: str | None, weights: _Weights, asked: Mapping[str, Any]) -> str:
+    """The variant whose shapes (with what the keys decide and the caller `asked`) are nearest the weights':
+    the fewest differing keys, then the smallest difference in size."""
+    infos = {k: weights.native.info(k) for k in weights.native}
+    distances, refusals = {}, []
+    for name, variant in variants.items():
+        try:
+            config = _config(variant, tag, weights, asked)
+        except ValueError as exc:
+            refusals.append(exc)
+            continue
+        found, distance = differences(infos, expected_state(config), name)
+        distances[name] = (bool(found), distance, name)
+    if not distances:
+        raise refusals[0]  # a bad argument: its line names what is allowed
+    return min(distances, key=distances.get)
+
+
+def identify(
+    native: Plan,
+    model: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    source_config: SourceConfig | None = None,
+    fuse_layerscale: bool = False,
+    zero_biases_dropped: bool = False,
+) -> Identity:
+    """The variant and full config of a checkpoint in native keys: `model` (a name, `NAME.TAG` or a YAML file)
+    if given, else the registered variant nearest its shapes; `source_config` (a config.json beside the
+    weights) and `model_kwargs` complete its arguments. Raises `CheckpointError` naming the nearest variant
+    and the first key that differs when the weights do not fit what they complete."""
+    variants, tag, reason = _candidates(model)
+    weights = _Weights(native, zero_biases_dropped, fuse_layerscale)
+    asked = dict(model_kwargs or {})
+    name = _nearest(variants, tag, weights, asked) if len(variants) > 1 else next(iter(variants))
+    completing = dict(source_config.args) if source_config else {}
+    overrides = {**completing, **asked}
+    config = _config(variants[name], tag, weights, overrides)
+    infos = {k: native.info(k) for k in native}
+    found, _ = differences(infos, expected_state(config), name) if len(variants) > 1 else ([], 0.0)
+    if found:  # a variant given is fitted by the load's own checks, whose line names the option that differs
+        more = f" ({len(found) - 1} more keys differ)" if len(found) > 1 else ""
+        raise CheckpointError(
+            f"the checkpoint's shapes match no registered variant; the nearest is {name}: {found[0]}{more}; pass "
+            f"--model NAME and --model-kwargs for what differs (e.g. embed_dim=... depth=... num_heads=...)"
+        )
+    if completing and len(variants) > 1:
+        reason += " and config.json"
+    listed = " ".join(f"{k}={v}" for k, v in overrides.items())
+    if overrides:  # a config.json's every argument would make the summary line a paragraph: counted instead
+        reason += f", with {listed}" if len(listed) <= MAX_LISTED else f", with {len(overrides)} model arguments"
+    pretrained = (source_config.pretrained_cfg if source_config else None) or _pretrained_cfg(name, tag)
+    return Identity(name, tag, config, reason, pretrained)
+
+
+def _pretrained_cfg(name: str, tag: str | None) -> dict[str, Any]:
+    cfg = get_pretrained_cfg(f"{name}.{tag}" if tag else name)
+    values = cfg.to_dict() if cfg is not None else {}
+    if not tag:
+        values.pop("tag", None)
+    return values

@@ -1,0 +1,73 @@
+"""What the package and its command know without importing torch: the checkpoint formats by name and what each
+writes, the dtype and weights-set choices, and what a variant file is called.
+
+The command line checks its arguments against these before torch loads (`timm-ls --help` and bad input answer
+at once); the package's format registry and writers take the same names and rules from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FOLDER, FILE, FILE_OR_FOLDER = "folder", "file", "file or folder"
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """A checkpoint format as the command offers it: its `--to` name, what it is, and what it writes.
+
+    `writes` is FOLDER, FILE (named with one of `suffixes`) or FILE_OR_FOLDER (a file with one of `suffixes`,
+    a folder without a suffix).
+    """
+
+    name: str
+    description: str
+    writes: str
+    suffixes: tuple[str, ...] = ()
+
+    def writes_folder(self, name: str) -> bool:
+        """Whether this format writes a folder at a destination called `name`."""
+        return self.writes == FOLDER or (self.writes == FILE_OR_FOLDER and not _suffix(name))
+
+
+def _suffix(name: str) -> str:
+    stem = name.rstrip("/").rpartition("/")[2]
+    return stem[stem.rfind(".") :].lower() if "." in stem.lstrip(".") else ""
+
+
+TORCH_SUFFIXES = (".pth", ".pt", ".bin")
+# Suffixes that name a file, never a folder a writer makes.
+FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors", ".onnx", ".ckpt", ".tar", ".json", ".yaml", ".yml", ".png", ".csv")
+
+FORMATS = (
+    FormatSpec("native", "this package's layout with a timm config.json", FOLDER),
+    FormatSpec("meta", "Meta's DINOv3 keys in one .pth or .safetensors file", FILE, (*TORCH_SUFFIXES, ".safetensors")),
+    FormatSpec(
+        "meta-train",
+        "what Meta's DINOv3 trainer loads: backbone and heads, a .pth or a distributed checkpoint folder",
+        FILE_OR_FOLDER,
+        (".pth",),
+    ),
+    FormatSpec("hf", "transformers' DINOv3ViTModel folder", FOLDER),
+    FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER),
+)
+FORMAT_NAMES = tuple(spec.name for spec in FORMATS)
+
+# dtype names of `convert --dtype` and `export --dtype`; "keep" leaves each tensor's own.
+KEEP = "keep"
+CAST_DTYPES = ("fp32", "bf16", "fp16")
+EXPORT_DTYPES = ("fp32", "fp16")
+# Weights sets of a training checkpoint: EMA/teacher where there is one, the EMA set, the trained set.
+WEIGHTS_SETS = ("auto", "ema", "raw")
+
+VARIANT_FILE_SUFFIXES = (".yaml", ".yml")
+
+
+def is_variant_file(name: str) -> bool:
+    """Whether `name` names a YAML variant file (by its suffix; it may not exist)."""
+    return str(name).lower().endswith(VARIANT_FILE_SUFFIXES)
+
+
+def suffix_of(name: str) -> str:
+    """The lower-case suffix of a path's last part (`.pth`), or '' (a leading dot does not make one)."""
+    return _suffix(str(name))
