@@ -87,6 +87,11 @@ class VitLsConfig:
         return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
     @classmethod
+    def default(cls, name: str) -> Any:
+        """A field's default value."""
+        return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+    @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> VitLsConfig:
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:

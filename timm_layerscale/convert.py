@@ -34,7 +34,7 @@ from .checkpoints.reader import LazyCheckpoint, open_checkpoint
 from .checkpoints.writers import atomic_destination
 from .identity import Identity, expected_state, identify
 
-__all__ = ["Conversion", "convert_checkpoint"]
+__all__ = ["Conversion", "Planned", "convert_checkpoint", "plan_conversion"]
 
 PROGRESS_MIN_BYTES = 256 << 20  # a bar for conversions at least this large (when stderr is a terminal)
 
@@ -81,7 +81,6 @@ class _Request:
     dst: Path
     cast: torch.dtype | None
     weights: str
-    overwrite: bool
     options: dict[str, Any]
 
 
@@ -120,45 +119,88 @@ def convert_checkpoint(
     `dino_head.*`, `ibot_head.*`, the source's heads carried or new ones made as Meta's DINOHead makes them.
     """
     start = time.perf_counter()
-    request = _checked_request(Path(dst), to, dtype, weights, overwrite, options)
+    request = _checked_request(Path(dst), to, dtype, weights, options)
+    _check_destination(request, overwrite)
     with _opened(src, weights, heads=request.target.reads_heads) as ckpt:
         _refuse_to_replace_source(ckpt, request.dst)
-        source = recognise(ckpt)
-        native = source.table.to_native(ckpt)
-        identity = identify(
-            native, model, model_kwargs, source_config(ckpt.hub_config), fuse_layerscale, source.drops_zero_qkv_biases
-        )
-        fitted, export = _planned(native, source.title, identity, request, ckpt.heads, max_shard_size)
-        warnings = fitted.warnings + export.warnings
+        planned = _plan(ckpt, request, model, model_kwargs, fuse_layerscale, max_shard_size)
+        warnings = planned.fitted.warnings + planned.export.warnings
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
-        _write(export, request, progress)
+        _write(planned.export, request, overwrite, progress)
+        return planned.conversion(src, ckpt, request, warnings, time.perf_counter() - start)
+
+
+@dataclass
+class Planned:
+    """A conversion planned to the last tensor, nothing written: the source's format, the model it holds,
+    the weights fitted to it, and the target's tensors with what it cannot hold."""
+
+    source: Format
+    identity: Identity
+    fitted: Fitted
+    export: Export
+
+    def conversion(
+        self, src: Any, ckpt: LazyCheckpoint, request: _Request, warnings: list[str], seconds: float
+    ) -> Conversion:
         return Conversion(
             source=str(src) if isinstance(src, (str, Path)) else str(ckpt.path),
             kind=ckpt.kind,
             destination=request.dst,
             target=request.target.name,
-            layout=source.name,
+            layout=self.source.name,
             weights=ckpt.weights,
-            variant=identity.full_name,
-            reason=identity.reason,
-            tensors=len(export.tensors),
-            nbytes=export.tensors.nbytes,
-            seconds=time.perf_counter() - start,
-            not_held=export.not_held,
-            report=fitted.report(),
+            variant=self.identity.full_name,
+            reason=self.identity.reason,
+            tensors=len(self.export.tensors),
+            nbytes=self.export.tensors.nbytes,
+            seconds=seconds,
+            not_held=self.export.not_held,
+            report=self.fitted.report(),
             warnings=warnings,
-            keys=source.title,
-            model_args=identity.config.to_dict(),
-            notes=export.notes,
-            meta_yaml=export.text,
+            keys=self.source.title,
+            model_args=self.identity.config.to_dict(),
+            notes=self.export.notes,
+            meta_yaml=self.export.text,
         )
 
 
-def _checked_request(
-    dst: Path, to: str, dtype: str | None, weights: str, overwrite: bool, options: Mapping[str, Any]
-) -> _Request:
-    """The format, dtype, weights set and options, once each is known good and the destination may be written."""
+def plan_conversion(
+    ckpt: LazyCheckpoint,
+    dst: str | Path,
+    to: str = "native",
+    model: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    dtype: str | None = None,
+    fuse_layerscale: bool = False,
+    **options: Any,
+) -> Planned:
+    """What `convert_checkpoint(ckpt, dst, ...)` would write, planned from shapes and nothing written:
+    `.export.tensors.infos` holds every key, shape and dtype of the target (a dry run; the destination is
+    not checked). Reads only what a conversion reads ahead (q/k/v biases, RoPE periods, gammas)."""
+    request = _checked_request(Path(dst), to, dtype, ckpt.weights if ckpt.weights in WEIGHTS_SETS else "auto", options)
+    return _plan(ckpt, request, model, model_kwargs, fuse_layerscale, "5GB")
+
+
+def _plan(
+    ckpt: LazyCheckpoint,
+    request: _Request,
+    model: str | None,
+    model_kwargs: Mapping[str, Any] | None,
+    fuse: bool,
+    max_shard_size: int | str,
+) -> Planned:
+    source = recognise(ckpt)
+    native = source.table.to_native(ckpt)
+    config = source_config(ckpt.hub_config)
+    identity = identify(native, model, model_kwargs, config, fuse, source.unheld_args)
+    fitted, export = _planned(native, source.title, identity, request, ckpt.heads, max_shard_size)
+    return Planned(source, identity, fitted, export)
+
+
+def _checked_request(dst: Path, to: str, dtype: str | None, weights: str, options: Mapping[str, Any]) -> _Request:
+    """The format, dtype, weights set and options, once each is known good."""
     target = get_format(to)
     dtype = dtype or target.default_dtype
     if dtype not in (KEEP, *CAST_DTYPES):
@@ -169,10 +211,16 @@ def _checked_request(
     if unknown:
         takers = [f.name for f in _formats_taking(unknown[0])]
         raise CheckpointError(f"{unknown[0]} is an option of {' and '.join(takers) or 'no format'}, not of {to}")
+    checked = target.check_options({**target.takes, **{k: v for k, v in options.items() if k in target.takes}})
+    return _Request(target, dst, None if dtype == KEEP else cast_dtype(dtype), weights, checked)
+
+
+def _check_destination(request: _Request, overwrite: bool) -> None:
+    target, dst = request.target, request.dst
     problem = destination_problem(
         dst,
         folder=target.writes_folder(dst),
-        what=f"--to {to}",
+        what=f"--to {target.name}",
         overwrite=overwrite,
         overwrite_hint="--overwrite (overwrite=True)",
         suffixes=target.spec.suffixes,
@@ -180,8 +228,6 @@ def _checked_request(
     )
     if problem:
         raise CheckpointError(problem)
-    checked = target.check_options({**target.takes, **{k: v for k, v in options.items() if k in target.takes}})
-    return _Request(target, dst, None if dtype == KEEP else cast_dtype(dtype), weights, overwrite, checked)
 
 
 def _formats_taking(option: str) -> list[Format]:
@@ -222,14 +268,14 @@ def _planned(
     return fitted, request.target.export(job)
 
 
-def _write(export: Export, request: _Request, progress: bool | None) -> None:
+def _write(export: Export, request: _Request, overwrite: bool, progress: bool | None) -> None:
     """The target's files into a temporary name, renamed to `dst` when complete."""
     total = export.tensors.nbytes
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
     dst, target = request.dst, request.target
     with (
         _progress_bar(total, f"{target.name} {dst.name}", show) as bar,
-        atomic_destination(dst, request.overwrite, folder=target.writes_folder(dst), what=f"--to {target.name}") as tmp,
+        atomic_destination(dst, overwrite, folder=target.writes_folder(dst), what=f"--to {target.name}") as tmp,
     ):
         export.write(tmp, bar)
 

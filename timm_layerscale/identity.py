@@ -78,20 +78,25 @@ def expected_state(config: VitLsConfig) -> dict[str, torch.Tensor]:
 
 
 def key_args(
-    native: Mapping[str, torch.Tensor], base: Mapping[str, Any], zero_biases_dropped: bool = False
+    native: Mapping[str, torch.Tensor], base: Mapping[str, Any], unheld: frozenset[str] = frozenset()
 ) -> dict[str, Any]:
     """The model args a checkpoint's keys decide over the variant's `base` args: biases, norms, head,
-    LayerScale per branch, periods. From a format that drops all-zero qkv biases (timm's plain eva files), a
-    qkv bias the variant has and the file lacks is a zero one, filled as Meta's released files hold it."""
+    LayerScale per branch, periods. An arg in `unheld` is one the weights' format has no place for (timm's
+    plain eva files leave out all-zero qkv biases and the local-crop norm): a key it lacks then says nothing,
+    and the variant's value stands (the model fills zero biases, as Meta's released files hold them, and the
+    local-crop norm from the norm)."""
     keys = set(native)
     depth = 1 + max((int(k.split(".")[1]) for k in keys if k.startswith("blocks.")), default=-1)
-    qkv_bias = "blocks.0.attn.qkv.bias" in keys or (zero_biases_dropped and bool(base.get("qkv_bias", True)))
+
+    def has(arg: str, *names: str) -> bool:
+        return bool(set(names) & keys) or (arg in unheld and bool(base.get(arg, VitLsConfig.default(arg))))
+
     args: dict[str, Any] = {
-        "qkv_bias": qkv_bias,
+        "qkv_bias": has("qkv_bias", "blocks.0.attn.qkv.bias"),
         "proj_bias": "blocks.0.attn.proj.bias" in keys,
         "ffn_bias": bool({"blocks.0.mlp.fc1.bias", "blocks.0.mlp.w1.bias"} & keys),
         "cls_norm": "cls_norm.weight" in keys,
-        "local_cls_norm": "local_cls_norm.weight" in keys,
+        "local_cls_norm": has("local_cls_norm", "local_cls_norm.weight"),
         "num_classes": native.info("head.weight").shape[0] if "head.weight" in keys else 0,
         "init_values": _layer_scale(keys, depth, _first_init_value(base)),
     }
@@ -155,16 +160,16 @@ def _candidates(model: str | None) -> tuple[dict[str, Variant], str | None, str]
 
 @dataclass(frozen=True)
 class _Weights:
-    """The weights being identified: in native keys, and whether their format drops all-zero qkv biases."""
+    """The weights being identified: in native keys, and the model args their format has no place for."""
 
     native: Plan
-    zero_biases_dropped: bool
+    unheld: frozenset[str]
     fuse: bool
 
 
 def _config(variant: Variant, tag: str | None, weights: _Weights, overrides: Mapping[str, Any]) -> VitLsConfig:
     base = {**variant.model_args, **variant.tag_model_args(tag)}
-    args = {**base, **key_args(weights.native, base, weights.zero_biases_dropped), **overrides}
+    args = {**base, **key_args(weights.native, base, weights.unheld), **overrides}
     if weights.fuse:  # every gamma folds: the model has LayerScale off
         args["init_values"] = 0
     return VitLsConfig.from_dict(args, source=f"the args of {variant.name}")
@@ -194,14 +199,14 @@ def identify(
     model_kwargs: Mapping[str, Any] | None = None,
     source_config: SourceConfig | None = None,
     fuse_layerscale: bool = False,
-    zero_biases_dropped: bool = False,
+    unheld: frozenset[str] = frozenset(),
 ) -> Identity:
     """The variant and full config of a checkpoint in native keys: `model` (a name, `NAME.TAG` or a YAML file)
     if given, else the registered variant nearest its shapes; `source_config` (a config.json beside the
     weights) and `model_kwargs` complete its arguments. Raises `CheckpointError` naming the nearest variant
     and the first key that differs when the weights do not fit what they complete."""
     variants, tag, reason = _candidates(model)
-    weights = _Weights(native, zero_biases_dropped, fuse_layerscale)
+    weights = _Weights(native, unheld, fuse_layerscale)
     asked = dict(model_kwargs or {})
     name = _nearest(variants, tag, weights, asked) if len(variants) > 1 else next(iter(variants))
     completing = dict(source_config.args) if source_config else {}

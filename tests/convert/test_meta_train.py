@@ -409,7 +409,7 @@ def test_the_summary_and_metas_yaml_lines(tmp_path):
     assert lines["student"]["qkv_bias"] is meta["qkv_bias"] and lines["student"]["layerscale"] == 1e-5
     assert lines["student"]["untie_cls_and_patch_norms"] is True and lines["student"]["n_storage_tokens"] == 4
     assert lines["student"]["untie_global_and_local_cls_norm"] is True
-    assert lines["student"]["mask_k_bias"] is False  # no qkv bias: no bias_mask key
+    assert lines["student"]["mask_k_bias"] is meta["mask_k_bias"]  # moot without a qkv bias: as Meta built it
     code, out, _ = run(cli_args("meta_mlp", meta_source("meta_mlp", tmp_path), tmp_path / "m.pth", tmp_path))
     assert yaml.safe_load(out[out.index("dino:") :])["student"]["mask_k_bias"] is True
     code, out, _ = run([*cli_args(name, tmp_path / "ckpt", tmp_path / "bf.pth", tmp_path), "--dtype", "bf16"])

@@ -111,7 +111,7 @@ def _streamed(path: Path, model: str | None, model_kwargs: Mapping[str, Any], we
                 model,
                 model_kwargs,
                 source_config(ckpt.hub_config),
-                zero_biases_dropped=fmt.drops_zero_qkv_biases,
+                unheld=fmt.unheld_args,
             )
         except CheckpointError as exc:
             raise ExportError(str(exc)) from None

@@ -79,7 +79,8 @@ class Format:
     reads_heads = False  # the reader keeps Meta's pretraining heads (`open_checkpoint(heads=True)`) for it
     takes: Mapping[str, Any] = {}  # options of its own, with their defaults
     default_dtype = "keep"  # what `dtype=None` means for it
-    drops_zero_qkv_biases = False  # its files leave out qkv biases that are all zero (so absence means zero)
+    # Model args its files have no place for, so a key they lack says nothing of the model (`identity.key_args`).
+    unheld_args: frozenset[str] = frozenset()
 
     @property
     def name(self) -> str:

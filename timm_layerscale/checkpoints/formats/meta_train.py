@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -29,6 +30,7 @@ import yaml
 from timm_ls.names import FORMATS
 
 from ...config import BRANCHES, VitLsConfig
+from ...layers import swiglu_hidden_features
 from ..dcp_writer import write_dcp
 from ..errors import CheckpointError
 from ..plan import Plan, cast_plan, info_of, passthrough
@@ -175,6 +177,93 @@ def new_heads(heads: MetaHeads, in_dim: int, seed: int) -> LazyCheckpoint:
     return LazyCheckpoint(Path("new heads"), "new heads", f"seed {seed}", infos, make)
 
 
+# Meta's trainer builds the backbone from `student.arch` (a function of dinov3.models.vision_transformer), which
+# alone fixes the width, depth, heads and MLP ratio: (embed_dim, depth, num_heads, ffn_ratio).
+META_ARCHS = {
+    "vit_small": (384, 12, 6, 4.0),
+    "vit_base": (768, 12, 12, 4.0),
+    "vit_large": (1024, 24, 16, 4.0),
+    "vit_so400m": (1152, 27, 18, 3.777777778),
+    "vit_huge2": (1280, 32, 20, 4.0),
+    "vit_giant2": (1536, 40, 24, 4.0),
+    "vit_7b": (4096, 40, 32, 3.0),
+}
+# `student.ffn_layer` for a SwiGLU by the multiple its hidden size is rounded up to; and `norm_layer` by its eps.
+META_SWIGLU = {8: "swiglu", 32: "swiglu32", 64: "swiglu64", 128: "swiglu128"}
+META_NORMS = {1e-5: "layernormbf16", 1e-6: "layernorm"}
+
+
+def _shape(config: VitLsConfig) -> tuple[int, int, int, float]:
+    return config.embed_dim, config.depth, config.num_heads, float(config.ffn_ratio)
+
+
+def _arch(config: VitLsConfig) -> tuple[str, list[str]]:
+    """Meta's `arch` for this model's shape, or the nearest one, with one comment line saying why Meta's
+    config cannot express the shape (no key of `student:` overrides what `arch` fixes)."""
+    shape = _shape(config)
+    named = next((arch for arch, dims in META_ARCHS.items() if _same_shape(dims, shape)), None)
+    if named:
+        return named, []
+    nearest = min(META_ARCHS, key=lambda arch: sum(abs(math.log(a / b)) for a, b in zip(META_ARCHS[arch], shape)))
+    wide, deep, heads, ratio = META_ARCHS[nearest]
+    return nearest, [
+        f"  # Meta's config cannot express this backbone: {config.embed_dim} wide, {config.depth} blocks, "
+        f"{config.num_heads} heads, MLP ratio {config.ffn_ratio:g}, and `arch` alone sets those (the nearest, "
+        f"{nearest}, is {wide}/{deep}/{heads}/{ratio:g}); register a vit_* function of this shape in "
+        f"dinov3.models.vision_transformer and name it here"
+    ]
+
+
+def _same_shape(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b))
+
+
+def _ffn_layer(config: VitLsConfig) -> tuple[str, list[str]]:
+    if config.ffn_layer != "swiglu":
+        return "mlp", []
+    if config.swiglu_align_to in META_SWIGLU:
+        return META_SWIGLU[config.swiglu_align_to], []
+    hidden = swiglu_hidden_features(config.embed_dim, config.ffn_ratio, config.swiglu_align_to)
+    unaligned = swiglu_hidden_features(config.embed_dim, config.ffn_ratio, 1)
+    if hidden == unaligned and unaligned % 8 == 0:  # rounding up to 8 changes nothing
+        return "swiglu", []
+    return "swiglu", [f"  # Meta's SwiGLU rounds its hidden size to 8, 32, 64 or 128, this one is {hidden}"]
+
+
+def student_lines(config: VitLsConfig, path: str, layer_scale: bool, bias_mask: bool) -> list[str]:
+    """`student:` as Meta's trainer reads it to build this backbone (every key it reads, named)."""
+    arch, arch_note = _arch(config)
+    ffn_layer, ffn_note = _ffn_layer(config)
+    norm = META_NORMS.get(config.norm_eps)
+    norm_note = [] if norm else [f"  # Meta's norms have eps 1e-5 or 1e-6, this backbone's {config.norm_eps:g}"]
+    layerscale = f"{config.layer_init_values[0][0] or 1e-5:.1e}" if layer_scale else "null"
+    values = {
+        "resume_from_teacher_chkpt": path,
+        "arch": arch,
+        "patch_size": config.patch_size,
+        "ffn_layer": ffn_layer,
+        "ffn_ratio": f"{config.ffn_ratio:g}  # read from arch, not from here",
+        "layerscale": layerscale,
+        "norm_layer": norm or "layernormbf16",
+        "n_storage_tokens": config.num_storage_tokens,
+        "qkv_bias": _yaml_bool(config.qkv_bias),
+        "proj_bias": _yaml_bool(config.proj_bias),
+        "ffn_bias": _yaml_bool(config.ffn_bias),
+        # Without a qkv bias the mask is moot; the released 7B's config says true, as ours does by default.
+        "mask_k_bias": _yaml_bool(bias_mask or (not config.qkv_bias and config.mask_k_bias)),
+        "untie_cls_and_patch_norms": _yaml_bool(config.cls_norm),
+        "untie_global_and_local_cls_norm": _yaml_bool(config.local_cls_norm),
+        "pos_embed_rope_base": config.rope_base,
+        "pos_embed_rope_normalize_coords": config.rope_normalize_coords,
+        "pos_embed_rope_shift_coords": _yaml_value(config.rope_shift_coords),
+        "pos_embed_rope_jitter_coords": _yaml_value(config.rope_jitter_coords),
+        "pos_embed_rope_rescale_coords": _yaml_value(config.rope_rescale_coords),
+        "pos_embed_rope_dtype": "bf16" if config.rope_periods_bf16 else "fp32",
+    }
+    head = "student:  # continued pretraining; the backbone args must match the checkpoint's"
+    return [head, *arch_note, *ffn_note, *norm_note, *(f"  {key}: {value}" for key, value in values.items())]
+
+
 def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_scale: bool, bias_mask: bool) -> str:
     """The lines of Meta's training YAML that use the written checkpoint: continued pretraining (`student:`),
     Gram anchoring (`gram:`) and distillation (`distillation:`), with the head sizes each must match."""
@@ -188,21 +277,6 @@ def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_sc
             if f.name != "hidden_dim" or size.nlayers > 1
         ]
     head_lines.insert(head_lines.index("ibot:") + 1, "  separate_head: true")
-    layerscale = f"{config.layer_init_values[0][0] or 1e-5:.1e}" if layer_scale else "null"
-    student = [
-        "student:  # continued pretraining; the backbone args must match the checkpoint's",
-        f"  resume_from_teacher_chkpt: {path}",
-        f"  patch_size: {config.patch_size}",
-        f"  layerscale: {layerscale}",
-        f"  n_storage_tokens: {config.num_storage_tokens}",
-        f"  qkv_bias: {_yaml_bool(config.qkv_bias)}",
-        f"  proj_bias: {_yaml_bool(config.proj_bias)}",
-        f"  ffn_bias: {_yaml_bool(config.ffn_bias)}",
-        f"  mask_k_bias: {_yaml_bool(bias_mask)}",
-        f"  untie_cls_and_patch_norms: {_yaml_bool(config.cls_norm)}",
-        f"  untie_global_and_local_cls_norm: {_yaml_bool(config.local_cls_norm)}",
-        f"  pos_embed_rope_base: {config.rope_base}",
-    ]
     gram = [
         "gram:  # Gram anchoring: the backbone alone is loaded, the heads skipped; set crops.gram_teacher_crops_size",
         "  use_loss: true",
@@ -215,7 +289,12 @@ def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_sc
         '  full_cfg_path: "<the teacher\'s training YAML, with the dino and ibot head sizes above>"',
         f"  checkpoint_path: {path}",
     ]
+    student = student_lines(config, path, layer_scale, bias_mask)
     return "\n".join([*head_lines, *student, *gram, *distillation])
+
+
+def _yaml_value(value: object) -> str:
+    return "null" if value is None else str(value)
 
 
 def _yaml_bool(value: bool) -> str:

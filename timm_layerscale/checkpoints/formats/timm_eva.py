@@ -192,7 +192,8 @@ class TimmEva(Format):
     spec = next(s for s in FORMATS if s.name == "timm")
     title = "timm eva keys"
     table = TABLE
-    drops_zero_qkv_biases = True  # eva's plain architectures have no q/v bias: Meta's all-zero ones are left out
+    # eva's plain architectures have no qkv bias (Meta's all-zero ones are left out), and eva no local-crop norm.
+    unheld_args = frozenset({"qkv_bias", "local_cls_norm"})
 
     def recognise(self, keys: Sequence[str]) -> bool:
         eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")

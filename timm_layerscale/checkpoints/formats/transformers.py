@@ -178,6 +178,7 @@ class Transformers(Format):
     spec = next(s for s in FORMATS if s.name == "hf")
     title = "transformers DINOv3ViTModel keys"
     table = TABLE
+    unheld_args = frozenset({"local_cls_norm"})  # DINOv3ViTModel has no local-crop norm
 
     def recognise(self, keys: Sequence[str]) -> bool:
         lambda1 = f".{gamma_name(SPELLING, 1)}"
