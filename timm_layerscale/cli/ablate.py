@@ -215,10 +215,10 @@ def _spread(values: list[float]) -> str:
     return f"{mean:.1%}" + (f" (seeds {min(values):.1%} to {max(values):.1%})" if len(values) > 1 else "")
 
 
-def summarise(experiment: Experiment, results: list[dict[str, Any]]) -> list[str]:
-    """What happened, in plain words, including when LayerScale did not help."""
+def _final_accuracies(results: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per init value, each run's last held-out accuracy (NaN for a run that diverged or never finished)."""
     labels = list(dict.fromkeys(r["label"] for r in results))
-    final_acc = {
+    return {
         label: [
             r["history"][-1]["test_acc"] if r["history"] and not r["diverged_at"] else math.nan
             for r in results
@@ -226,66 +226,78 @@ def summarise(experiment: Experiment, results: list[dict[str, Any]]) -> list[str
         ]
         for label in labels
     }
-    lines = []
-    for label in labels:
-        runs = [r for r in results if r["label"] == label]
-        diverged = [r for r in runs if r["diverged_at"]]
-        accs = [a for a in final_acc[label] if math.isfinite(a)]
-        losses = [r["history"][-1]["train_loss"] for r in runs if r["history"] and not r["diverged_at"]]
-        line = f"init_values {label}: "
-        line += f"held-out accuracy {_spread(accs)}" if accs else "no finished run"
-        if losses:
-            line += f", last training loss {sum(losses) / len(losses):.3f}"
-        if diverged:
-            line += (
-                f"; {len(diverged)} of {len(runs)} runs diverged (NaN/Inf loss, at step {diverged[0]['diverged_at']})"
-            )
-        gammas = [g for r in runs for _, a, m in r["gammas"] for g in (a, m) if math.isfinite(g)]
-        if gammas:
-            line += f"; mean |gamma| at the end {sum(gammas) / len(gammas):.3g}"
-        lines.append(line)
 
-    def mean(label: str) -> float:
-        finite = [a for a in final_acc[label] if math.isfinite(a)]
-        return sum(finite) / len(finite) if finite and len(finite) == len(final_acc[label]) else -math.inf
+
+def _run_line(label: str, runs: list[dict[str, Any]], accs: list[float]) -> str:
+    """One init value's runs: accuracy, loss, divergence and the gammas they ended with."""
+    diverged = [r for r in runs if r["diverged_at"]]
+    losses = [r["history"][-1]["train_loss"] for r in runs if r["history"] and not r["diverged_at"]]
+    line = f"init_values {label}: "
+    line += f"held-out accuracy {_spread(accs)}" if accs else "no finished run"
+    if losses:
+        line += f", last training loss {sum(losses) / len(losses):.3f}"
+    if diverged:
+        line += f"; {len(diverged)} of {len(runs)} runs diverged (NaN/Inf loss, at step {diverged[0]['diverged_at']})"
+    gammas = [g for r in runs for _, a, m in r["gammas"] for g in (a, m) if math.isfinite(g)]
+    if gammas:
+        line += f"; mean |gamma| at the end {sum(gammas) / len(gammas):.3g}"
+    return line
+
+
+def _mean(accs: list[float]) -> float:
+    """The mean accuracy of an init value's runs; -inf unless every run finished."""
+    finite = [a for a in accs if math.isfinite(a)]
+    return sum(finite) / len(finite) if finite and len(finite) == len(accs) else -math.inf
+
+
+def _verdict(final_acc: dict[str, list[float]], ranked: list[str], seeds: int) -> str:
+    """Off against the best init, said as the seeds allow: one seed, beyond the spread, or within it."""
 
     def spread(label: str) -> float:
         finite = [a for a in final_acc[label] if math.isfinite(a)]
         return max(finite) - min(finite) if finite else 0.0
 
-    ranked = sorted(labels, key=mean, reverse=True)
-    seeds = len(experiment.seeds)
-    if "off" in labels and len(labels) > 1:
-        best = next(label for label in ranked if label != "off")
-        gap = mean(best) - mean("off")
-        noise = max(spread(best), spread("off"))
-        versus = f"off and the best init ({best})"
-        if seeds == 1:
-            verdict = (
-                f"best LayerScale init {best} vs off: {gap * 100:+.1f} points of held-out accuracy, from one seed, "
-                f"so a gap of a few points may be noise; run --seeds 0 1 2 to see the spread"
-            )
-        elif abs(gap) > noise:
-            winner = (
-                f"LayerScale helped here: init {best} beat off"
-                if gap > 0
-                else f"LayerScale did not help here: off beat the best init ({best})"
-            )
-            verdict = f"{winner} by {abs(gap) * 100:.1f} points, more than the seeds' spread ({noise * 100:.1f})"
-        else:
-            verdict = (
-                f"no clear difference: {versus} are {abs(gap) * 100:.1f} points apart, within the seeds' spread "
-                f"({noise * 100:.1f})"
-            )
-        lines.append(verdict)
-    lines.append("ranking by mean held-out accuracy: " + " > ".join(ranked))
+    best = next(label for label in ranked if label != "off")
+    gap = _mean(final_acc[best]) - _mean(final_acc["off"])
+    noise = max(spread(best), spread("off"))
+    if seeds == 1:
+        return (
+            f"best LayerScale init {best} vs off: {gap * 100:+.1f} points of held-out accuracy, from one seed, "
+            f"so a gap of a few points may be noise; run --seeds 0 1 2 to see the spread"
+        )
+    if abs(gap) > noise:
+        winner = (
+            f"LayerScale helped here: init {best} beat off"
+            if gap > 0
+            else f"LayerScale did not help here: off beat the best init ({best})"
+        )
+        return f"{winner} by {abs(gap) * 100:.1f} points, more than the seeds' spread ({noise * 100:.1f})"
+    return (
+        f"no clear difference: off and the best init ({best}) are {abs(gap) * 100:.1f} points apart, within the "
+        f"seeds' spread ({noise * 100:.1f})"
+    )
+
+
+def _ranked(final_acc: dict[str, list[float]]) -> list[str]:
+    return sorted(final_acc, key=lambda label: _mean(final_acc[label]), reverse=True)
+
+
+def summarise(experiment: Experiment, results: list[dict[str, Any]]) -> list[str]:
+    """What happened, in plain words, including when LayerScale did not help."""
+    final_acc = _final_accuracies(results)
     model = experiment.model
-    lines.insert(
-        0,
+    lines = [
         f"{experiment.variant} with {' '.join(f'{k}={v}' for k, v in model.items())}, {experiment.train.describe()}, "
         f"{'seed' if len(experiment.seeds) == 1 else 'seeds'} {', '.join(map(str, experiment.seeds))}; "
-        f"data: {experiment.data.describe()}",
-    )
+        f"data: {experiment.data.describe()}"
+    ]
+    for label, accs in final_acc.items():
+        runs = [r for r in results if r["label"] == label]
+        lines.append(_run_line(label, runs, [a for a in accs if math.isfinite(a)]))
+    ranked = _ranked(final_acc)
+    if "off" in final_acc and len(final_acc) > 1:
+        lines.append(_verdict(final_acc, ranked, len(experiment.seeds)))
+    lines.append("ranking by mean held-out accuracy: " + " > ".join(ranked))
     return lines
 
 

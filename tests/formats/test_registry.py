@@ -1,0 +1,99 @@
+"""The format registry: a format is one module's `Format` and one `register_format` call. A made-up one,
+defined here, is written by `convert_checkpoint` and read back by recognition, with nothing else changed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file, save_file
+from support import TINY, VARIANT, assert_fp32_close, move_off_init_
+
+from timm_layerscale import FORMATS, CheckpointError, Format, convert_checkpoint, register_format
+from timm_layerscale.checkpoints.formats.base import Export, Job, losses
+from timm_layerscale.checkpoints.formats.meta import NATIVE_KEYS
+from timm_layerscale.checkpoints.keys import KeyTable, row
+from timm_layerscale.checkpoints.writers import write_safetensors
+from timm_ls.names import FILE, FormatSpec
+
+
+def _flat(key: str) -> str:
+    """`blocks.{i}.ls1.gamma` -> `trunk.{i}.scale_attn`; everything else under `trunk.`."""
+    key = key.replace("blocks.{i}.ls1.gamma", "blocks.{i}.scale_attn").replace(
+        "blocks.{i}.ls2.gamma", "blocks.{i}.scale_mlp"
+    )
+    return "trunk." + key.removeprefix("blocks.")
+
+
+class Flat(Format):
+    spec = FormatSpec(
+        "flat", "a made-up format: everything under trunk., gammas as scale_attn/scale_mlp", FILE, (".flat",)
+    )
+    title = "made-up flat keys"
+    table = KeyTable(
+        tuple(
+            row(key, _flat(key))
+            for key in NATIVE_KEYS
+            if not key.startswith(("mask_token", "rope_")) and key != "blocks.{i}.attn.qkv.bias_mask"
+        )
+    )
+    always_layer_scale = False
+
+    def recognise(self, keys: Sequence[str]) -> bool:
+        return any(key.startswith("trunk.") for key in keys)
+
+    def export(self, job: Job) -> Export:
+        out, unheld = self.table.from_native(job.tensors)
+        not_held, warnings = losses(unheld, self.name)
+        return Export(out, lambda tmp, bar: write_safetensors(tmp, out, progress=bar), not_held, warnings)
+
+
+@pytest.fixture
+def flat():
+    fmt = register_format(Flat())
+    yield fmt
+    del FORMATS[fmt.name]
+
+
+def source(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = move_off_init_(timm.create_model(VARIANT["mlp"], num_classes=0, **TINY)).eval()
+    save_file(model.state_dict(), tmp_path / "ours.safetensors")
+    return tmp_path / "ours.safetensors", model
+
+
+@torch.no_grad()
+def test_a_registered_format_converts_both_ways(flat, tmp_path):
+    path, model = source(tmp_path)
+    out = convert_checkpoint(path, tmp_path / "model.flat", to="flat", model=VARIANT["mlp"], model_kwargs=TINY)
+    written = load_file(tmp_path / "model.flat")
+    assert out.target == "flat" and all(key.startswith("trunk.") for key in written)
+    assert torch.equal(written["trunk.1.scale_mlp"], model.blocks[1].ls2.gamma)
+    assert "rope_embed.periods (recomputed in fp32 there)" in out.not_held and "mask_token" in " ".join(out.not_held)
+    back = convert_checkpoint(
+        tmp_path / "model.flat",
+        tmp_path / "native",
+        to="native",
+        model=VARIANT["mlp"],
+        model_kwargs=dict(TINY, rope_periods_bf16=True),
+    )
+    assert back.layout == "flat" and back.keys == "made-up flat keys"
+    again = timm.create_model(f"local-dir:{tmp_path / 'native'}", pretrained=True).eval()
+    x = torch.randn(2, 3, 32, 48)
+    assert_fp32_close(again.forward_features(x), model.forward_features(x))
+
+
+def test_an_unregistered_format_is_named_as_unknown(tmp_path):
+    path, _ = source(tmp_path)
+    with pytest.raises(
+        CheckpointError, match=r"unknown target 'flat'; pass --to one of native, meta, meta-train, hf, timm$"
+    ):
+        convert_checkpoint(path, tmp_path / "model.flat", to="flat")
+
+
+def test_register_format_takes_formats_only():
+    with pytest.raises(TypeError, match="register_format takes a Format"):
+        register_format("flat")
