@@ -154,6 +154,11 @@ def test_timm_eva_and_deit3_checkpoints(model, spelling, keys, tmp_path, capsys)
     assert result["blocks"][1]["mlp"]["muted"] == pytest.approx(40 / 384)
 
 
+def test_a_checkpoint_no_variant_fits_names_no_model(ours, capsys):
+    """The same rule as convert's: without a config to complete them, 64-wide weights are no variant."""
+    assert "model" not in inspect_json(capsys, ours)
+
+
 def test_cait_lists_its_class_attention_blocks_after_the_trunk(tmp_path, capsys):
     torch.manual_seed(0)
     kwargs = dict(depth=2, depth_token_only=1, embed_dim=64, num_heads=4, img_size=64)
@@ -193,6 +198,8 @@ def test_a_hub_folder_is_read_through_its_weights_file(tmp_path, capsys):
     reference.save_pretrained(tmp_path / "hf")
     result = inspect_json(capsys, tmp_path / "hf")
     assert result["weights"].startswith("Hub folder")
+    # transformers' config completes the arguments; the variant is the one nearest the weights' shapes
+    assert result["model"].startswith("vit_ls_small_patch16_dinov3 (from the shapes and config.json, with ")
     for i, layer in enumerate(reference.model.layer):
         assert_stats(result["blocks"][i]["attn"], expected_stats(layer.layer_scale1.lambda1))
         assert_stats(result["blocks"][i]["mlp"], expected_stats(layer.layer_scale2.lambda1))

@@ -22,8 +22,10 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
 from timm_ls.names import is_variant_file
 
+from ..checkpoints import CheckpointError, recognise, source_config
 from ..checkpoints.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
 from ..hub import unreachable_reason
+from ..identity import identify
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
 from ..variants import VARIANTS
 from .common import CliError, parse_model_kwargs, quiet_hub
@@ -162,6 +164,19 @@ def _not_found(source: str) -> CliError:
     )
 
 
+def _identified(ckpt: LazyCheckpoint) -> dict[str, str]:
+    """`{"model": ...}`: the variant a DINOv3 checkpoint's weights are, by the one rule convert and export use;
+    nothing for other checkpoints (DeiT-III, CaiT, ...) or weights no variant fits."""
+    try:
+        fmt = recognise(ckpt)
+        identity = identify(
+            fmt.table.to_native(ckpt), source_config=source_config(ckpt.hub_config), unheld=fmt.unheld_args
+        )
+    except (CheckpointError, ValueError):
+        return {}
+    return {"model": f"{identity.full_name} ({identity.reason})"}
+
+
 def resolve(args: argparse.Namespace, stack: ExitStack) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:
     """The tensors to read gammas from, and what they are (for the header and the JSON)."""
     source, kwargs = args.source, parse_model_kwargs(args.model_kwargs)
@@ -169,7 +184,8 @@ def resolve(args: argparse.Namespace, stack: ExitStack) -> tuple[Mapping[str, to
         if args.checkpoint or args.pretrained or kwargs:
             raise CliError(f"{source} is a file: inspect it alone, or name a model and pass the file with --checkpoint")
         ckpt = _open_file(source, args.weights, stack)
-        return ckpt, dict(source=source, weights=f"{ckpt.kind}, {ckpt.weights}")
+        about = dict(source=source, weights=f"{ckpt.kind}, {ckpt.weights}")
+        return ckpt, {**about, **_identified(ckpt)}
     if is_variant_file(source) or source.partition(".")[0] in VARIANTS:
         variant, tag = resolve_vit_ls(source)
         name, ours = f"{variant.name}.{tag}" if tag else variant.name, True
@@ -254,6 +270,8 @@ def inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"source: {about['source']}")
     print(f"weights: {about['weights']}")
+    if "model" in about:
+        print(f"model: {about['model']}")
     print(f"LayerScale: {', '.join(spellings)} in {len(blocks)} blocks{_read_line(tensors, read)}")
     print(stats_table(blocks))
     print("\n".join(_summary(blocks)))
