@@ -25,7 +25,7 @@ from support import REPO, Exploit
 from timm_layerscale.checkpoints import CheckpointError
 from timm_layerscale.checkpoints.errors import reason
 from timm_layerscale.checkpoints.reader import open_checkpoint
-from timm_layerscale.cli import main
+from timm_ls.main import main
 
 NAME = "vit_ls_small_patch16_dinov3"
 ASSETS = REPO / "timm_layerscale" / "assets"

@@ -20,11 +20,11 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import timm_layerscale
-from timm_layerscale.cli import main
-from timm_layerscale.cli.common import CliError
 from timm_layerscale.cli.listing import _shipped as listing_shipped
+from timm_ls.errors import CliError
+from timm_ls.main import main
 
-CLI = [sys.executable, "-m", "timm_layerscale.cli"]
+CLI = [sys.executable, "-m", "timm_ls"]
 TINY = ["--model-kwargs", "depth=2"]
 # (block, attn gamma, mlp gamma) written into the checkpoint, and the table row they must give:
 # block, then per branch mean |gamma|, median, max and the share of channels below 1e-3.

@@ -16,10 +16,10 @@ import yaml
 from PIL import Image
 from support import REPO
 
-from timm_layerscale.cli import main
 from timm_layerscale.tools.experiment import load_experiment
 from timm_layerscale.tools.shapes import CLASSES, ShapesSpec, make_shapes
 from timm_layerscale.tools.trainer import TrainConfig, lr_at, train
+from timm_ls.main import main
 
 TINY_ABLATION = """
 variant: vit_ls_small_patch16_dinov3
@@ -30,9 +30,7 @@ data: {image_size: 16, train_size: 64, test_size: 32}
 train: {steps: 6, batch_size: 8, lr: 1.0e-3, warmup: 2, eval_every: 3}
 """
 CURVE_COLUMNS = ["init_values", "seed", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc"]
-BLOCK_MATPLOTLIB = (
-    "import sys; sys.modules['matplotlib'] = None; from timm_layerscale.cli import main; sys.exit(main())"
-)
+BLOCK_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from timm_ls.main import main; sys.exit(main())"
 
 
 def test_held_out_images_are_other_draws_even_at_the_same_size():
@@ -161,7 +159,7 @@ def test_ablate_repeats_exactly_from_its_own_record_in_parallel(ablation):
     args = ["ablate", "--config", str(ablation / "out" / "experiment.yaml"), "--out", str(ablation / "again")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "timm_layerscale.cli", *args, "--jobs", "2"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "timm_ls", *args, "--jobs", "2"], capture_output=True, text=True, env=env
     )
     assert result.returncode == 0, result.stderr
     assert "4 runs (2 init values x 2 seeds), 6 steps each, 2 at a time" in result.stdout

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from support import TINY, move_off_init_
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-from timm_layerscale.cli import main
 from timm_layerscale.tools.gammas import BlockGammas, BranchStats, gamma_stats
 from timm_layerscale.tools.plots import gamma_figure
+from timm_ls.main import main
 
 NAME = "vit_ls_small_patch16_dinov3"
 # Gammas chosen so that every statistic is known exactly: (attn, mlp) per block, |gamma| stats below.
@@ -268,7 +268,7 @@ def test_random_init_names_and_variant_files_show_their_init_values(tmp_path, ca
         (["vit_small_patch16_224", "--model-kwargs", "depth=1"], "has no LayerScale gammas"),
         (["{ours}", "--pretrained"], "is a file: inspect it alone"),
         (["{ours}", "--model-kwargs", "depth=3"], "is a file: inspect it alone"),
-        (["{ours}", "--plot", "gammas.jpg"], "the plot is a PNG"),
+        (["{ours}", "--plot", "gammas.jpg"], "--plot writes one file: name it .png (got gammas.jpg)"),
         (["{truncated}"], "is a truncated safetensors file"),
     ],
 )
@@ -299,7 +299,7 @@ def sparse_safetensors(path: Path, shapes: dict[str, torch.Size], written: dict[
 
 MEASURE = """
 import json, resource, sys
-from timm_layerscale.cli import main
+from timm_ls.main import main
 from timm_layerscale.tools.gammas import BlockGammas, BranchStats, gamma_stats
 from timm_layerscale.tools.plots import gamma_figure
 code = main(sys.argv[1:])

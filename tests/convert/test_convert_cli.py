@@ -22,9 +22,10 @@ from support import TINY, move_off_init_
 from transformers import Dinov2Config, Dinov2Model
 
 from timm_layerscale import CheckpointError, convert_checkpoint
-from timm_layerscale.cli import main
+from timm_ls.errors import CliError
+from timm_ls.main import main
 
-CLI = [sys.executable, "-m", "timm_layerscale.cli"]
+CLI = [sys.executable, "-m", "timm_ls"]
 SMALL = ["--model", "vit_ls_small_patch16_dinov3", "--model-kwargs", *(f"{k}={v}" for k, v in TINY.items())]
 
 
@@ -173,7 +174,10 @@ def test_nan_gammas_are_a_warning_without_strict(runs: dict[str, Run]) -> None:
 
 def test_debug_shows_the_traceback(files: Path) -> None:
     args = ["convert", str(files / "small.safetensors"), str(files / "exists"), "--to", "native", *SMALL]
-    with pytest.raises(CheckpointError, match="or choose another path"):
+    with pytest.raises(CliError, match="or choose another path"):  # the front's check, before torch
+        main(["--debug", *args])
+    args = ["convert", str(files / "small.safetensors"), str(files / "out-x"), "--to", "native", "--model", "nope"]
+    with pytest.raises(CheckpointError, match="unknown model 'nope'"):  # the command's own
         main(["--debug", *args])
 
 

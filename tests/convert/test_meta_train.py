@@ -36,10 +36,10 @@ from timm_layerscale.checkpoints.formats.meta_train import (
     heads_from_config,
 )
 from timm_layerscale.checkpoints.reader import TensorInfo, open_checkpoint
-from timm_layerscale.cli import main
 from timm_layerscale.identity import Identity
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
+from timm_ls.main import main
 
 KEYS = json.loads((FIXTURES / "meta_train_keys.json").read_text())["models"]
 BACKBONES = json.loads((FIXTURES / "meta_configs.json").read_text())["models"]
@@ -437,7 +437,10 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         cases[size] = ([*ok[:at], str(path)], f"ibot.head_{size} is {value!r}; it must be a positive integer")
     cases["not_yaml"] = ([*ok[:at], str(tmp_path / "not-yaml.yaml")], "not-yaml.yaml is not a readable YAML file")
     cases["list"] = ([*ok[:at], str(tmp_path / "list.yaml")], "list.yaml holds a list, not a config mapping")
-    cases["absent_yaml"] = ([*ok[:at], str(tmp_path / "absent.yaml")], "absent.yaml is not a readable YAML file")
+    cases["absent_yaml"] = (
+        [*ok[:at], str(tmp_path / "absent.yaml")],
+        f"Meta training YAML {tmp_path}/absent.yaml does not exist",
+    )
     cases["exists"] = (cli_args(name, src, tmp_path / "exists.pth", tmp_path), "exists; pass --overwrite")
     cases["no_backbone"] = (
         cli_args(name, tmp_path / "heads-only.pth", tmp_path / "x.pth", tmp_path),

@@ -20,7 +20,6 @@ from support import TINY, VARIANT, move_off_init_, transformers_reference
 
 from timm_layerscale import VitLsConfig, export_onnx, save_native
 from timm_layerscale import export as export_package
-from timm_layerscale.cli import main
 from timm_layerscale.export import ExportError, OnnxCheckError, check_onnx
 from timm_layerscale.export import check as export_check
 from timm_layerscale.export import weights as export_weights
@@ -28,10 +27,11 @@ from timm_layerscale.export.errors import CheckRow
 from timm_layerscale.export.graph import SIDE_CHECK_NODE, ExportedForward, example_and_shapes, export_program
 from timm_layerscale.model import VisionTransformerLS
 from timm_layerscale.variants import VARIANTS, config_dir
+from timm_ls.main import main
 
 SHIPPED = sorted(path.stem for path in config_dir().glob("*.yaml"))
 SIZES = [(32, 32), (32, 64), (64, 32)]  # square, wide, tall: 2x2, 2x4 and 4x2 patches
-CLI = [sys.executable, "-m", "timm_layerscale.cli"]
+CLI = [sys.executable, "-m", "timm_ls"]
 # Standard ONNX ops that ONNX Runtime and TensorRT both run; RoPE is Sin/Cos, attention MatMul/Softmax.
 ACCEPTED_OPS = {
     "Add", "Cast", "CastLike", "Concat", "Constant", "ConstantOfShape", "Conv", "Cos", "Div", "Erf", "Expand",
@@ -441,7 +441,7 @@ def test_a_failed_check_exits_1_and_writes_nothing(tmp_path, monkeypatch):
 
 
 def test_without_the_export_extra_the_command_says_what_to_install(tmp_path):
-    code = "import sys; sys.modules['onnxruntime'] = None; from timm_layerscale.cli import main; sys.exit(main())"
+    code = "import sys; sys.modules['onnxruntime'] = None; from timm_ls.main import main; sys.exit(main())"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["export", VARIANT["mlp"], str(tmp_path / "m.onnx")]
     run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)

@@ -302,9 +302,7 @@ def test_the_command_exits_2_with_one_line(saved, tmp_path, command):
     folder = with_metadata(saved, tmp_path / "ckpt", bent)
     shutil.copy(saved / "__0_0.distcp", tmp_path / "xy.distcp")
     args = [folder, tmp_path / "out.pth", "--to", "meta", *CONVERT] if command == "convert" else [folder]
-    run = subprocess.run(
-        [sys.executable, "-m", "timm_layerscale.cli", command, *map(str, args)], capture_output=True, text=True
-    )
+    run = subprocess.run([sys.executable, "-m", "timm_ls", command, *map(str, args)], capture_output=True, text=True)
     assert (run.returncode, run.stdout) == (2, "")
     assert run.stderr == (
         f"timm-ls: error: refused to read {folder / '.metadata'}: it sets the state of the class "

@@ -79,7 +79,7 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
     hub_root: tuple[Path, Eva], tmp_path: Path
 ) -> None:
     root, eva = hub_root
-    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", *TINY]
+    cli = [sys.executable, "-m", "timm_ls", "--pretrained", "--no-plot", "--model-kwargs", *TINY]
     gamma = eva.blocks[0].gamma_1.detach().abs()
     median = gamma.sort().values[191:193].mean()
     expected_row = ["0", f"{gamma.mean():.3g}", f"{median:.3g}", f"{gamma.max():.3g}", "0%"]
@@ -104,7 +104,7 @@ def test_cli_pretrained_names_the_hub_id_then_uses_the_cache_offline(
 def test_cli_pretrained_without_a_hub_falls_back_to_random_init(tmp_path: Path) -> None:
     env = hub_env(SimpleNamespace(url="http://127.0.0.1:9"), tmp_path / "hf_home")
     env.update(HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
-    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", "depth=2"]
+    cli = [sys.executable, "-m", "timm_ls", "--pretrained", "--no-plot", "--model-kwargs", "depth=2"]
     result = run(cli, env)
     assert result.returncode == 0, result.stderr
     # The fallback is a warning on stderr; stdout says which weights the table shows.
@@ -119,7 +119,7 @@ def test_cli_pretrained_without_a_hub_falls_back_to_random_init(tmp_path: Path) 
 
 def test_inspect_pretrained_reads_the_hub_file_then_the_cache(hub_root: tuple[Path, Eva], tmp_path: Path) -> None:
     root, eva = hub_root
-    cli = [sys.executable, "-m", "timm_layerscale.cli", "inspect", "vit_ls_small_patch16_dinov3.lvd1689m"]
+    cli = [sys.executable, "-m", "timm_ls", "inspect", "vit_ls_small_patch16_dinov3.lvd1689m"]
     with LocalHub(root) as hub:
         env = hub_env(hub, tmp_path / "hf_home")
         online = run([*cli, "--pretrained", "--json"], env)
@@ -145,7 +145,7 @@ def test_cli_pretrained_asks_the_hub_once(hub_root: tuple[Path, Eva], tmp_path: 
     """The command learns where the weights came from from the loader's own requests, and adds none."""
     root, _ = hub_root
     loader = [sys.executable, "-c", "import sys, timm_layerscale as t; print(t.fetch_hub_weights(sys.argv[1]).origin)"]
-    cli = [sys.executable, "-m", "timm_layerscale.cli", "--pretrained", "--no-plot", "--model-kwargs", *TINY]
+    cli = [sys.executable, "-m", "timm_ls", "--pretrained", "--no-plot", "--model-kwargs", *TINY]
 
     def weights_requests(args: list[str], home: Path) -> tuple[list[str], subprocess.CompletedProcess]:
         with LocalHub(root) as hub:

@@ -152,7 +152,7 @@ def test_official_tags_name_the_gated_repos_with_the_ungated_tags_data_config() 
 
 
 def test_list_and_readme_show_the_official_tags(capsys: pytest.CaptureFixture[str]) -> None:
-    from timm_layerscale.cli import main
+    from timm_ls.main import main
 
     assert main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("vit_ls_large_patch16_dinov3 "))
@@ -337,7 +337,7 @@ def test_offline_environment_variable_in_a_fresh_interpreter(hub_root: Path, tmp
 
 
 def test_cli_names_a_gated_repo_in_one_line(hub: LocalHub, capsys: pytest.CaptureFixture[str]) -> None:
-    from timm_layerscale.cli import main
+    from timm_ls.main import main
 
     args = ["--variant", f"{SMALL}.lvd1689m_facebook", "--pretrained", "--model-kwargs", "depth=2"]
     assert main(args) == 2

@@ -19,7 +19,7 @@ import torch.serialization
 from torch.distributed.checkpoint import filesystem, metadata
 
 from timm_layerscale.checkpoints import dcp
-from timm_layerscale.cli import main
+from timm_ls.main import main
 
 WATCHED = {
     "pathlib": pathlib,

@@ -1,3 +1,3 @@
-from . import main
+from timm_ls.main import main
 
 raise SystemExit(main())

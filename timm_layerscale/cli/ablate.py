@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import resolve_init_values
-from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
+from ..tools.experiment import Experiment, check, load_experiment
 from ..tools.files import write_atomically
 from ..tools.gammas import gamma_stats
 from ..tools.plots import missing_matplotlib, plot_curves, plotting_available
@@ -38,39 +38,6 @@ from .common import CliError, count, parse_model_kwargs, resolve_variant, warn
 CURVE_COLUMNS = ("init_values", "seed", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc")
 GAMMA_COLUMNS = ("init_values", "seed", "block", "attn_mean_abs_gamma", "mlp_mean_abs_gamma")
 OUTPUTS = ("curves.csv", "curves.png", "gammas.csv", "summary.txt", "experiment.yaml")
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "ablate",
-        help="train one deep, narrow ViT-LS per init value and compare (about 6 minutes on 2 idle cores)",
-        description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
-    )
-    parser.add_argument(
-        "--config",
-        metavar="FILE.yaml",
-        default=str(experiments_dir() / "ablate.yaml"),
-        help="the experiment (default: the shipped ablate.yaml); the flags below override it",
-    )
-    parser.add_argument("--variant", help="NAME or a YAML variant file whose architecture rules are used")
-    parser.add_argument("--depth", type=int, help="blocks")
-    parser.add_argument("--width", type=int, help="embed_dim")
-    parser.add_argument("--heads", type=int, help="num_heads")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--warmup", type=int, help="linear warmup steps")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--init-values", nargs="+", metavar="V", help="e.g. off 0.1 1e-4 1e-6")
-    parser.add_argument("--seeds", nargs="+", type=int, metavar="S", help="e.g. 0 1 2")
-    parser.add_argument(
-        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="other VitLsConfig fields"
-    )
-    parser.add_argument("--jobs", type=int, help="runs side by side, one thread each (default: one per core)")
-    parser.add_argument(
-        "--out", default="layerscale_ablation", metavar="DIR", help="output folder (default %(default)s)"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
-    parser.set_defaults(func=ablate)
 
 
 def init_label(value: Any) -> str:
@@ -327,7 +294,7 @@ def _final_gammas(results: list[dict[str, Any]]) -> dict[str, list[float]]:
     return {label: [sum(col) / len(col) for col in zip(*runs)] for label, runs in per_label.items()}
 
 
-def ablate(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     experiment = _with_flags(load_experiment(args.config), args)
     _check_models(experiment)
     out = Path(args.out)

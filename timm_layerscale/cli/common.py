@@ -16,14 +16,11 @@ import timm
 import yaml
 from torch import nn
 
+from timm_ls.errors import CliError
 from timm_ls.names import is_variant_file
 
 from ..hub import HubError, fetch_hub_weights
 from ..variants import VARIANTS, Variant, VariantNameError, find_variant, register_variant, ungated_tag
-
-
-class CliError(Exception):
-    """Bad input: printed as one `timm-ls: error:` line."""
 
 
 def count(number: int, noun: str) -> str:

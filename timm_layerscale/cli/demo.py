@@ -24,12 +24,12 @@ from torch import nn
 from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
-from ..tools.experiment import Experiment, check, experiments_dir, load_experiment
+from ..tools.experiment import Experiment, check, load_experiment
 from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, fmt, gamma_stats
 from ..tools.shapes import Shapes, make_shapes
 from ..tools.trainer import TrainResult, evaluate, train
 from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
-from .gamma_report import DEFAULT_PLOT, add_plot_arguments, draw, plot_target, stats_table
+from .gamma_report import draw, plot_target, stats_table
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 WHAT_IS_A_GAMMA = (
@@ -39,39 +39,7 @@ WHAT_IS_A_GAMMA = (
 )
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "demo",
-        help="watch LayerScale learn on generated shapes, or show a model's gammas (the default command)",
-        description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
-    )
-    parser.add_argument(
-        "--variant", help="NAME, NAME.TAG or a YAML variant file (default: the experiment's, a small ViT-S)"
-    )
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", metavar="PATH", help="show the gammas of this checkpoint (file or folder)")
-    weights.add_argument("--pretrained", action="store_true", help="show the gammas of the tag's Hub weights")
-    parser.add_argument(
-        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="e.g. init_values=1e-6 depth=2"
-    )
-    parser.add_argument(
-        "--config",
-        metavar="FILE.yaml",
-        default=str(experiments_dir() / "demo.yaml"),
-        help="the training experiment: model size, data, steps, lr (default: the shipped demo.yaml)",
-    )
-    parser.add_argument("--steps", type=int, help="training steps (default: the experiment's)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch order (default 0)")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads for training (default 1: the model is tiny)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
-    parser.add_argument("--image", action="append", default=[], metavar="PATH", help="with weights: run these images")
-    add_plot_arguments(parser, DEFAULT_PLOT)
-    parser.set_defaults(func=demo)
-
-
-def demo(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     if args.checkpoint or args.pretrained:
         return show_model(args)
     if args.image:

@@ -9,28 +9,15 @@ from ..tools.gammas import MUTED_BELOW, BlockGammas, stats_rows
 from ..tools.plots import PlottingUnavailable, missing_matplotlib, plot_gammas, plotting_available
 from .common import CliError, table, warn
 
-DEFAULT_PLOT = "layerscale_gammas.png"
-
-
-def add_plot_arguments(parser: argparse.ArgumentParser, default: str | None) -> None:
-    where = f" (default {default})" if default else ""
-    parser.add_argument("--plot", metavar="FILE.png", default=None, help=f"write a PNG of the gammas{where}")
-    if default:
-        parser.add_argument("--no-plot", action="store_true", help="write no PNG")
-    parser.set_defaults(default_plot=default)
-
 
 def plot_target(args: argparse.Namespace) -> Path | None:
-    """Where to draw, checked before any work: a missing matplotlib or folder fails (or warns) up front."""
+    """Where to draw (its name and folder were checked before this module loaded): a missing matplotlib fails, or
+    for the default plot warns, before any work."""
     if getattr(args, "no_plot", False):
         return None
     path = Path(args.plot or args.default_plot) if (args.plot or args.default_plot) else None
     if path is None:
         return None
-    if path.suffix.lower() != ".png":
-        raise CliError(f"--plot {path}: the plot is a PNG; give a file name ending in .png")
-    if not path.parent.is_dir():
-        raise CliError(f"--plot {path}: folder {path.parent} does not exist; create it or pick another path")
     if not plotting_available():
         if args.plot:
             raise CliError(f"--plot: {missing_matplotlib()}")

@@ -23,52 +23,20 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError, recognise, source_config
-from ..checkpoints.reader import WEIGHTS_CHOICES, LazyCheckpoint, open_checkpoint
+from ..checkpoints.reader import LazyCheckpoint, open_checkpoint
 from ..hub import unreachable_reason
 from ..identity import identify
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
 from ..variants import VARIANTS
 from .common import CliError, parse_model_kwargs, quiet_hub
 from .common import resolve_variant as resolve_vit_ls
-from .gamma_report import add_plot_arguments, draw, plot_target, stats_table
+from .gamma_report import draw, plot_target, stats_table
 
 HUB_FILES = ("model.safetensors", "pytorch_model.bin")
 RANDOM_BUILD_LIMIT = 1_500_000_000  # parameters: larger random models are described from their config only
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
 # A transformer block's attention in any layout (Meta, timm, transformers): a model without one has no LayerScale.
 ATTENTION_KEY = re.compile(r"\.\d+\.(attn|attention|self_attn)\.")
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
-        "inspect",
-        help="show the LayerScale gammas of a checkpoint, variant or timm model",
-        description=__doc__.split("\n\n", 1)[1].replace("\n", " "),
-    )
-    parser.add_argument(
-        "source",
-        metavar="MODEL_OR_CHECKPOINT",
-        help="a checkpoint file or folder, a vit_ls NAME[.TAG], a YAML variant file, or a timm model with LayerScale "
-        "(deit3_*, cait_*, vit_*_dinov3, ...)",
-    )
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", metavar="PATH", help="with a model name: read the gammas from this file")
-    weights.add_argument("--pretrained", action="store_true", help="with a model name: read its pretrained weights")
-    parser.add_argument(
-        "--weights",
-        choices=WEIGHTS_CHOICES,
-        default="auto",
-        help="which weights set of a training checkpoint (default auto: EMA/teacher where there is one)",
-    )
-    parser.add_argument(
-        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help="e.g. depth=2 init_values=1e-6"
-    )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    add_plot_arguments(parser, None)
-    parser.set_defaults(func=inspect)
-
-
-# ---------------------------------------------------------------------------------------------- sources
 
 
 def _meta_model(name: str, kwargs: dict) -> torch.nn.Module:
@@ -233,7 +201,7 @@ def _read_line(tensors: Mapping[str, torch.Tensor], read: list[str]) -> str:
     )
 
 
-def inspect(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     plot = plot_target(args)
     with ExitStack() as stack:
         tensors, about = resolve(args, stack)

@@ -12,17 +12,11 @@ from ..variants import VARIANTS, config_dir
 from .common import table
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("list", help="list the registered variants")
-    parser.add_argument("--json", action="store_true", help="print every tag's Hub repo and each YAML file as JSON")
-    parser.set_defaults(func=list_variants)
-
-
 def _shipped(source: str) -> bool:
     return Path(source).resolve().parent == config_dir().resolve()
 
 
-def list_variants(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     found = []
     for name, variant in sorted(VARIANTS.items()):
         params = sum(p.numel() for p in timm.create_model(name, device="meta").parameters())

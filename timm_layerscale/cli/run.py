@@ -14,14 +14,7 @@ from .common import CliError, register_variant_file
 MODEL_FLAGS = ("--model", "-m")
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("run", help="run a timm script (train.py, validate.py) with the variants registered")
-    parser.add_argument("script", help="path of the script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    parser.set_defaults(func=run_script)
-
-
-def run_script(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> int:
     """timm's scripts look models up by name only: registering ours first is all they need."""
     script = Path(args.script)
     if not script.is_file():

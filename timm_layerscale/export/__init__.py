@@ -11,6 +11,7 @@ file. The file and its external data are staged beside the destination and put i
 from __future__ import annotations
 
 import copy
+import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,12 +111,7 @@ class _Graph:
 
 def require_onnx() -> None:
     """One line naming what to install when the export extra is missing."""
-    missing = []
-    for name in REQUIRED:
-        try:
-            __import__(name)
-        except ImportError:
-            missing.append(name)
+    missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
     if missing:
         raise ExportError(
             f"exporting to ONNX needs {', '.join(missing)}: pip install 'timm-layerscale[export]' "

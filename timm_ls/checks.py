@@ -1,0 +1,149 @@
+"""What the command checks before it loads torch: choices, every path it is to read, every path it is to write.
+
+A source that names a path (it has a path separator or a file suffix) and does not exist gets the same line
+in every command; a bare word may still be a model name, which the command itself looks up. Destinations
+follow the one rule of `destinations`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from .destinations import destination_problem
+from .errors import CliError
+from .names import (
+    CAST_DTYPES,
+    EXPORT_DTYPES,
+    FILE_OR_FOLDER,
+    FILE_SUFFIXES,
+    FORMATS,
+    KEEP,
+    WEIGHTS_SETS,
+    is_variant_file,
+    suffix_of,
+)
+
+CHECKPOINT = "checkpoint"
+VARIANT_FILE = "variant file"
+# What to pass instead, by what a missing path was meant to be.
+FIXES = {
+    CHECKPOINT: "pass a weights file (.safetensors, .pth, .bin) or a checkpoint folder",
+    VARIANT_FILE: "pass the path of a YAML variant file or a registered name (`timm-ls list`)",
+    "experiment file": "pass the path of an experiment YAML file (the shipped ones: configs/experiments/)",
+    "Meta training YAML": "pass the path of Meta's DINOv3 training YAML",
+    "script": "pass the path of timm's train.py or validate.py",
+    "image": "pass the path of an image file with --image",
+}
+
+
+def missing(kind: str, path: str | Path) -> str:
+    """The one line for a path to read that does not exist."""
+    return f"{kind} {path} does not exist; {FIXES[kind]}"
+
+
+def names_a_path(text: str) -> bool:
+    """Whether `text` can only be a path: a separator or a file suffix (`NAME.TAG` is no suffix)."""
+    return "/" in text or os.sep in text or suffix_of(text) in FILE_SUFFIXES
+
+
+def _require(kind: str, path: str | None) -> None:
+    if path is not None and not Path(path).exists():
+        raise CliError(missing(kind, path))
+
+
+def _model_source(text: str | None, kind: str = CHECKPOINT) -> None:
+    """A source that is a path or a name: a missing path is refused, a bare word left to the command."""
+    if text is None:
+        return
+    if is_variant_file(text):
+        _require(VARIANT_FILE, text)
+    elif names_a_path(text):
+        _require(kind, text)
+
+
+def _destination(dst: str, **rule: object) -> None:
+    problem = destination_problem(dst, overwrite_hint="--overwrite", **rule)
+    if problem:
+        raise CliError(problem)
+
+
+def _choice(value: str | None, flag: str, allowed: tuple[str, ...], what: str) -> None:
+    if value is not None and value not in allowed:
+        raise CliError(f"unknown {what} {value!r}; pass {flag} one of {', '.join(allowed)}")
+
+
+def _plot(args: argparse.Namespace) -> None:
+    if args.plot is not None:
+        _destination(args.plot, folder=False, what="--plot", overwrite=True, suffixes=(".png",))
+
+
+def check_convert(args: argparse.Namespace) -> None:
+    spec = next((s for s in FORMATS if s.name == args.to), None)
+    _choice(args.to, "--to", tuple(s.name for s in FORMATS), "target")
+    _choice(args.dtype, "--dtype", (KEEP, *CAST_DTYPES), "dtype")
+    _choice(args.weights, "--weights", WEIGHTS_SETS, "weights set")
+    if args.to != "meta-train" and (args.meta_config or args.distill_teacher):
+        raise CliError("--meta-config and --distill-teacher are for --to meta-train")
+    _require(CHECKPOINT, args.src)
+    _model_source(args.model, VARIANT_FILE)
+    _require("Meta training YAML", args.meta_config)
+    _destination(
+        args.dst,
+        folder=spec.writes_folder(args.dst),
+        what=f"--to {spec.name}",
+        overwrite=args.overwrite,
+        suffixes=spec.suffixes,
+        or_folder=spec.writes == FILE_OR_FOLDER,
+    )
+
+
+def check_export(args: argparse.Namespace) -> None:
+    _choice(args.dtype, "--dtype", EXPORT_DTYPES, "dtype")
+    _model_source(args.source)
+    _model_source(args.model, VARIANT_FILE)
+    data = Path(args.dst).with_name(Path(args.dst).name + ".data")
+    _destination(
+        args.dst, folder=False, what="export", overwrite=args.overwrite, suffixes=(".onnx",), companions=[data]
+    )
+
+
+def check_inspect(args: argparse.Namespace) -> None:
+    _model_source(args.source)
+    _require(CHECKPOINT, args.checkpoint)
+    _plot(args)
+
+
+def check_demo(args: argparse.Namespace) -> None:
+    _require(CHECKPOINT, args.checkpoint)
+    _model_source(args.variant, VARIANT_FILE)
+    _require("experiment file", args.config)
+    if args.image and not (args.checkpoint or args.pretrained):
+        raise CliError("--image runs images through a model with --checkpoint or --pretrained weights; add one")
+    for image in args.image:
+        _require("image", image)
+    if not args.no_plot:
+        _plot(args)
+
+
+def check_ablate(args: argparse.Namespace) -> None:
+    _require("experiment file", args.config)
+    _model_source(args.variant, VARIANT_FILE)
+    _destination(args.out, folder=True, what="ablate --out", overwrite=True)
+
+
+def check_run(args: argparse.Namespace) -> None:
+    _require("script", args.script)
+
+
+CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "convert": check_convert,
+    "export": check_export,
+    "inspect": check_inspect,
+    "demo": check_demo,
+    "ablate": check_ablate,
+    "run": check_run,
+    "list": lambda args: None,
+}

@@ -1,0 +1,65 @@
+"""`timm-ls`: the entry point. It parses and checks the arguments first, then loads the command's own module.
+
+`timm-ls [demo]` trains a small variant on generated shapes and shows its gammas learn (or, with
+`--checkpoint`/`--pretrained`, a model's real gammas); `timm-ls inspect` reads the gammas of any checkpoint,
+variant or timm model; `timm-ls ablate` compares init values on a deep, narrow ViT; `timm-ls list` lists the
+registered variants; `timm-ls run SCRIPT ARGS...` runs a timm script (train.py, validate.py, ...) with the
+variants registered; `timm-ls convert SRC DST --to ...` converts a checkpoint between formats; `timm-ls export
+SRC DST.onnx` exports to ONNX. `timm-ls --debug ...` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from types import ModuleType
+
+from .checks import CHECKS
+from .errors import CliError
+from .parsers import COMMANDS, DEFAULT_COMMAND, make_parser
+
+
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def version_line() -> str:
+    """Read from the installed metadata: nothing is imported to say it."""
+    return f"timm-ls {_version('timm-layerscale')} (timm {_version('timm')}, torch {_version('torch')})"
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The arguments, the default command put in where none is named."""
+    argv = list(argv)
+    first = int(argv[:1] == ["--debug"])  # a global option goes before the command
+    if len(argv) == first or argv[first] not in (*COMMANDS, "-h", "--help", "--version"):
+        argv.insert(first, DEFAULT_COMMAND)
+    return make_parser(version_line()).parse_args(argv)
+
+
+def command_module(command: str) -> ModuleType:
+    """The module that runs `command`, loaded now: the one place a module of the package is imported inside a
+    function, so that `--help` and bad arguments never wait for torch and timm."""
+    return importlib.import_module(f"timm_layerscale.cli.{COMMANDS[command][1]}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        CHECKS[args.command](args)
+        return command_module(args.command).execute(args)
+    except BrokenPipeError:  # `timm-ls inspect ... | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 1
+    except (CliError, ValueError, OSError) as exc:
+        if args.debug:
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        print(f"timm-ls: error: {message}", file=sys.stderr)
+        return 2

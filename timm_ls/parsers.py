@@ -1,0 +1,276 @@
+"""Every command's parser, without torch: `timm-ls --help`, each command's `--help` and bad arguments answer
+before the command's own module (and with it torch and timm) is loaded.
+
+The choices (`--to`, `--dtype`, `--weights`) come from `names`, the same table the package's formats use.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .names import CAST_DTYPES, EXPORT_DTYPES, FORMATS, KEEP, WEIGHTS_SETS
+from .paths import experiments_dir
+
+DESCRIPTION = "DINOv3-style ViTs with LayerScale for timm, and LayerScale made visible"
+DEFAULT_COMMAND = "demo"
+DEFAULT_PLOT = "layerscale_gammas.png"
+CHECK_TOLERANCES = "fp32 0.0001, fp16 0.01"  # export --check; the package's `export.check.TOLERANCE`
+CONVERT_EXAMPLES = """examples:
+  timm-ls convert dinov3_vitb16_pretrain.pth vitb16-timm --to timm
+  timm-ls convert ckpt/12499 vitl16-hf --to hf --model vit_ls_large_patch16_dinov3
+  timm-ls convert hf-folder model.pth --to meta --dtype bf16
+  timm-ls convert model.pth fused --to native --fuse-layerscale
+  timm-ls convert dinov3_vitl16_pretrain.pth vitl16-train.pth --to meta-train --meta-config train.yaml
+  timm-ls convert timm-finetune/model_best.pth.tar vitb16-teacher --to meta-train --distill-teacher --strict"""
+EXPORT_EXAMPLES = """examples:
+  timm-ls export vit_ls_small_patch16_dinov3.lvd1689m vits16.onnx --pretrained --check
+  timm-ls export dinov3_vitb16_pretrain_lvd1689m.pth vitb16.onnx --outputs features:2,5,8,11 --check
+  timm-ls export vit_ls_base_patch16_dinov3.lvd1689m vitb16-fp16.onnx --pretrained --dtype fp16 --size 224x224
+  timm-ls export vit7b16-folder vit7b16.onnx --model vit_ls_7b_patch16_dinov3 --dtype fp16
+  timm-ls export vit7b16-folder vit7b16-2.onnx --model-kwargs depth=2 --check   # the first 2 blocks"""
+
+
+def _choices(names: tuple[str, ...]) -> str:
+    return "{" + ",".join(names) + "}"
+
+
+def _model_kwargs(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument(
+        "--model-kwargs", nargs="+", action="extend", default=[], metavar="K=V", help=f"model args, e.g. {example}"
+    )
+
+
+def _plot(parser: argparse.ArgumentParser, default: str | None) -> None:
+    where = f" (default {default})" if default else ""
+    parser.add_argument("--plot", metavar="FILE.png", default=None, help=f"write a PNG of the gammas{where}")
+    if default:
+        parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.set_defaults(default_plot=default)
+
+
+def add_demo(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="watch LayerScale learn on generated shapes, or show a model's gammas (the default command)",
+        description="Without weights it trains a small vit_ls from random weights on shapes generated from a seed "
+        "(about a minute on two CPU cores, nothing downloaded) and shows each block's gammas before and after. With "
+        "--pretrained or --checkpoint it shows that model's gammas and runs the shipped images through it.",
+    )
+    parser.add_argument(
+        "--variant", help="NAME, NAME.TAG or a YAML variant file (default: the experiment's, a small ViT-S)"
+    )
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", metavar="PATH", help="show the gammas of this checkpoint (file or folder)")
+    weights.add_argument("--pretrained", action="store_true", help="show the gammas of the tag's Hub weights")
+    _model_kwargs(parser, "init_values=1e-6 depth=2")
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=str(experiments_dir() / "demo.yaml"),
+        help="the training experiment: model size, data, steps, lr (default: the shipped demo.yaml)",
+    )
+    parser.add_argument("--steps", type=int, help="training steps (default: the experiment's)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch order (default 0)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads for training (default 1: the model is tiny)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH", help="with weights: run these images")
+    _plot(parser, DEFAULT_PLOT)
+
+
+def add_inspect(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "inspect",
+        help="show the LayerScale gammas of a checkpoint, variant or timm model",
+        description="The source is a checkpoint file in any layout the package reads, a registered vit_ls name "
+        "(random, --pretrained or --checkpoint weights), a YAML variant file, or any timm model with LayerScale. "
+        "Files are read lazily: only the gamma tensors leave the disk, so a 7B checkpoint takes seconds.",
+    )
+    parser.add_argument(
+        "source",
+        metavar="MODEL_OR_CHECKPOINT",
+        help="a checkpoint file or folder, a vit_ls NAME[.TAG], a YAML variant file, or a timm model with LayerScale "
+        "(deit3_*, cait_*, vit_*_dinov3, ...)",
+    )
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", metavar="PATH", help="with a model name: read the gammas from this file")
+    weights.add_argument("--pretrained", action="store_true", help="with a model name: read its pretrained weights")
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHTS_SETS,
+        default="auto",
+        help="which weights set of a training checkpoint (default auto: EMA/teacher where there is one)",
+    )
+    _model_kwargs(parser, "depth=2 init_values=1e-6")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    _plot(parser, None)
+
+
+def add_ablate(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "ablate",
+        help="train one deep, narrow ViT-LS per init value and compare (about 6 minutes on 2 idle cores)",
+        description="Every run shares the weights seed, batch order, learning-rate schedule, step budget and data "
+        "(shapes generated from a seed, nothing downloaded); only init_values differs. Writes the curves as CSV and "
+        "PNG, the final gammas as CSV, the experiment as YAML, and a short summary of what happened.",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        default=str(experiments_dir() / "ablate.yaml"),
+        help="the experiment (default: the shipped ablate.yaml); the flags below override it",
+    )
+    parser.add_argument("--variant", help="NAME or a YAML variant file whose architecture rules are used")
+    parser.add_argument("--depth", type=int, help="blocks")
+    parser.add_argument("--width", type=int, help="embed_dim")
+    parser.add_argument("--heads", type=int, help="num_heads")
+    parser.add_argument("--steps", type=int, help="training steps")
+    parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, help="linear warmup steps")
+    parser.add_argument("--batch-size", type=int, help="images per step")
+    parser.add_argument("--init-values", nargs="+", metavar="V", help="e.g. off 0.1 1e-4 1e-6")
+    parser.add_argument("--seeds", nargs="+", type=int, metavar="S", help="e.g. 0 1 2")
+    _model_kwargs(parser, "other VitLsConfig fields")
+    parser.add_argument("--jobs", type=int, help="runs side by side, one thread each (default: one per core)")
+    parser.add_argument(
+        "--out", default="layerscale_ablation", metavar="DIR", help="output folder (default %(default)s)"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace results already in --out")
+
+
+def add_list(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("list", help="list the registered variants")
+    parser.add_argument("--json", action="store_true", help="print every tag's Hub repo and each YAML file as JSON")
+
+
+def add_run(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("run", help="run a timm script (train.py, validate.py) with the variants registered")
+    parser.add_argument("script", help="path of the script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+
+def add_convert(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "convert",
+        help="convert a checkpoint between Meta, transformers, timm eva and native layouts",
+        description="Convert a checkpoint into another layout, tensor by tensor, and say what the target cannot hold.",
+        epilog=CONVERT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "src",
+        metavar="SRC",
+        help="a .pth/.bin/.safetensors file, a sharded index, a Hub folder or a torch.distributed.checkpoint folder",
+    )
+    parser.add_argument(
+        "dst",
+        metavar="DST",
+        help="a folder (native, hf, timm) or a .pth/.safetensors file (meta); meta-train: a .pth file, or a name "
+        "without a suffix for a distributed checkpoint folder; its folder must exist",
+    )
+    names = tuple(spec.name for spec in FORMATS)
+    targets = "; ".join(f"{spec.name}: {spec.description}" for spec in FORMATS)
+    parser.add_argument("--to", required=True, metavar=_choices(names), help=targets)
+    parser.add_argument("--model", metavar="NAME[.TAG]|VARIANT.yaml", help="the variant (default: from the shapes)")
+    _model_kwargs(parser, "depth=2")
+    parser.add_argument(
+        "--dtype",
+        metavar=_choices((KEEP, *CAST_DTYPES)),
+        help="cast the weights (RoPE periods keep theirs); default keep, fp32 for meta-train",
+    )
+    parser.add_argument(
+        "--weights", default="auto", metavar=_choices(WEIGHTS_SETS), help="EMA/teacher or trained weights"
+    )
+    parser.add_argument("--fuse-layerscale", action="store_true", help="fold every gamma into the layer before it")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse NaN/Inf gammas, outputs the target changes and (meta-train) what Meta's backbone cannot hold",
+    )
+    meta = parser.add_argument_group("meta-train (what Meta's DINOv3 trainer resumes, distils and gram-anchors from)")
+    meta.add_argument(
+        "--meta-config",
+        metavar="FILE.yaml",
+        help="Meta's training YAML: new heads get its dino:/ibot: head sizes (merged over Meta's defaults); "
+        "carried heads must match them",
+    )
+    meta.add_argument("--seed", type=int, default=0, help="seed of new heads (default 0)")
+    meta.add_argument(
+        "--distill-teacher",
+        action="store_true",
+        help="the checkpoint is for distillation.checkpoint_path: a source without heads warns (--strict refuses)",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print what was done as JSON, every model argument included"
+    )
+
+
+def add_export(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "export",
+        help="export a model or checkpoint to ONNX, checked in ONNX Runtime",
+        description="Export to ONNX with one input, pixel_values [N, 3, H, W], and named outputs; the metadata "
+        "carries the variant, preprocessing and licence. Needs the export extra: "
+        "pip install 'timm-layerscale[export]'.",
+        epilog=EXPORT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "source",
+        metavar="MODEL_OR_CHECKPOINT",
+        help="a variant NAME[.TAG] (with --pretrained for its weights), a YAML variant file, or any checkpoint "
+        "file or folder",
+    )
+    parser.add_argument("dst", metavar="DST.onnx", help="the ONNX file (weights over 2 GB go to DST.onnx.data)")
+    parser.add_argument(
+        "--model", metavar="NAME[.TAG]|VARIANT.yaml", help="a checkpoint's variant (default: from the shapes)"
+    )
+    _model_kwargs(parser, "depth=2 (of a checkpoint: its first 2 blocks)")
+    parser.add_argument("--pretrained", action="store_true", help="a variant name's Hub weights (else random init)")
+    parser.add_argument("--dtype", default="fp32", metavar=_choices(EXPORT_DTYPES), help="weights and activations")
+    parser.add_argument("--batch", default="dynamic", metavar="N|dynamic", help="the batch size (default: dynamic)")
+    parser.add_argument("--size", default="dynamic", metavar="HxW|dynamic", help="the input sides (default: dynamic)")
+    parser.add_argument(
+        "--outputs",
+        default="pooled",
+        metavar="pooled|tokens|features:I,J,...",
+        help="pooled: what forward returns; tokens: the last block's normed tokens; features: those blocks' "
+        "patch tokens as [N, C, H/16, W/16]",
+    )
+    parser.add_argument("--fuse-layerscale", action="store_true", help="fold every gamma into the layer before it")
+    parser.add_argument("--opset", type=int, metavar="N", help="the ONNX opset (default: torch's)")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare ONNX Runtime with PyTorch fp32 at three sizes; fail above a relative error of "
+        + CHECK_TOLERANCES,
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+
+
+# command -> (its parser, the module of timm_layerscale.cli that runs it)
+COMMANDS = {
+    "demo": (add_demo, "demo"),
+    "inspect": (add_inspect, "inspection"),
+    "ablate": (add_ablate, "ablate"),
+    "list": (add_list, "listing"),
+    "run": (add_run, "run"),
+    "convert": (add_convert, "convert"),
+    "export": (add_export, "export"),
+}
+
+
+def make_parser(version: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="timm-ls",
+        description=DESCRIPTION,
+        epilog=f"Without a command it runs `{DEFAULT_COMMAND}`; `timm-ls {DEFAULT_COMMAND} -h` lists its options.",
+    )
+    parser.add_argument("--version", action="version", version=version)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    commands = parser.add_subparsers(dest="command")
+    for add, _ in COMMANDS.values():
+        add(commands)
+    return parser
