@@ -115,9 +115,10 @@ class VitLsConfig:
         return {name: getattr(self, name) for name in self.field_names()}
 
     def rebuild_args(self) -> dict[str, Any]:
-        """Every field as a saved config's `model_args`: LayerScale off is written as 0, because timm drops
-        keyword arguments whose value is None."""
-        args = self.to_dict()
+        """Every field as a saved config's `model_args`, but the training switches, which act once on the model
+        being fine-tuned (a saved model loaded with `reinit_layer_scale` would restart its trained gammas).
+        LayerScale off is written as 0, because timm drops keyword arguments whose value is None."""
+        args = {k: v for k, v in self.to_dict().items() if k not in TRAINING_SWITCHES}
         if args["init_values"] is None:
             args["init_values"] = 0
         return args

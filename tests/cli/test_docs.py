@@ -11,12 +11,12 @@ from urllib.parse import unquote
 import pytest
 from support import REPO
 
+from timm_ls.parsers import make_parser
+
 
 def command_parsers() -> dict[str, argparse.ArgumentParser]:
     """Each `timm-ls` command's parser by name: the one place this test learns where the parsers live."""
-    from timm_layerscale.cli import make_parser
-
-    (commands,) = (a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    (commands,) = (a for a in make_parser("version")._actions if isinstance(a, argparse._SubParsersAction))
     return dict(commands.choices)
 
 

@@ -699,3 +699,19 @@ def test_a_timm_config_of_fixed_size_becomes_dynamic(tmp_path):
     convert_checkpoint(tmp_path / "eva", tmp_path / "again", to="timm")
     again = json.loads((tmp_path / "again" / "config.json").read_text())
     assert again["pretrained_cfg"]["fixed_input_size"] is False and again["model_args"]["dynamic_img_size"] is True
+
+
+@torch.no_grad()
+def test_a_saved_model_never_passes_its_training_switches_on(tmp_path):
+    """A folder saved from a model fine-tuned with reinit_layer_scale loads with its trained gammas."""
+    model = move_off_init_(
+        VisionTransformerLS(
+            VARIANTS[VARIANT["mlp"]].config.replace(reinit_layer_scale=True, freeze_layer_scale=True, **TINY)
+        )
+    )
+    save_native(model, tmp_path / "tuned")
+    args = json.loads((tmp_path / "tuned" / "config.json").read_text())["model_args"]
+    assert "reinit_layer_scale" not in args and "freeze_layer_scale" not in args
+    again = timm.create_model(f"local-dir:{tmp_path / 'tuned'}", pretrained=True)
+    assert torch.equal(again.blocks[1].ls2.gamma, model.blocks[1].ls2.gamma)
+    assert again.blocks[1].ls2.gamma.requires_grad

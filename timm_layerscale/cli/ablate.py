@@ -320,7 +320,7 @@ def execute(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     results = _run_all(experiment, jobs)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(exist_ok=True)  # its folder exists: checked before torch loaded
     curves = [dict(init_values=r["label"], seed=r["seed"], **row) for r in results for row in r["history"]]
     write_atomically(out / "curves.csv", _csv(CURVE_COLUMNS, curves))
     gamma_rows = [
