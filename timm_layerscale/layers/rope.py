@@ -8,6 +8,7 @@ both normalised to [-1, 1] over the patch grid.
 import math
 
 import torch
+import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
@@ -103,8 +104,10 @@ class RopeEmbedding(nn.Module):
         """
         angles = 2 * math.pi * self._coords(height, width)[:, :, None] / self.periods.float()
         angles = angles.flatten(1, 2)
-        angles = torch.cat([angles.new_zeros(self.num_prefix_tokens, angles.shape[1]), angles])
-        sin, cos = angles.sin(), angles.cos()
+        # The prefix rows are padded on after sin and cos, not concatenated before: TorchScript's autodiff
+        # leaves a list of tensors unguarded, and under inference_mode would save them for backward.
+        prefix = (0, 0, self.num_prefix_tokens, 0)
+        sin, cos = F.pad(angles.sin(), prefix), F.pad(angles.cos(), prefix, value=1.0)
         return torch.cat([-sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
 
 
@@ -117,8 +120,13 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     """
     signed_sin, cos = rope
     half = x.shape[-1] // 2
-    # The halves swapped by one cat: `roll` would first copy a strided `x` (the q/k slice of qkv) whole.
-    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
+    if torch.jit.is_scripting():
+        # A flip of the two halves, not a cat of them: TorchScript's autodiff leaves a cat's list of tensors
+        # unguarded, so a scripted model that has trained would save them for backward under inference_mode.
+        rotated = x.unflatten(-1, (2, half)).flip(-2).flatten(-2) * signed_sin
+    else:
+        # The halves swapped by one cat: `roll` would first copy a strided `x` (the q/k slice of qkv) whole.
+        rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
     return (x * cos).add_(rotated).to(x.dtype)
 
 
