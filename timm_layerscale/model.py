@@ -2,7 +2,7 @@
 
 Parameter and buffer names are Meta's, so a Meta DINOv3 state dict is this model's native layout;
 other layouts are converted on load by `timm_layerscale.checkpoints`. The forward takes images, or timm's
-NaFlex batches (dicts of patches at each image's own aspect ratio, `--naflex-loader`) in eager mode.
+NaFlex batches (dicts of patches at each image's own aspect ratio, `--naflex-loader`) outside TorchScript.
 """
 
 from collections.abc import Sequence
@@ -327,7 +327,7 @@ class VisionTransformerLS(nn.Module):
         """Normed tokens `[B, 1 + storage + H*W, C]`; for a NaFlex batch, `{"patches": tokens [B, 1 + storage
         + N, C], "patch_valid": [B, N]}` as timm's NaFlexVit returns them (padding tokens hold no result)."""
         if torch.jit.is_scripting():
-            assert isinstance(x, torch.Tensor)  # a NaFlex batch is eager only
+            assert isinstance(x, torch.Tensor)  # a NaFlex batch is not scriptable
         elif isinstance(x, dict):
             return self._naflex_features(x)
         height, width = self._patch_grid(x)
@@ -360,7 +360,7 @@ class VisionTransformerLS(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor | dict[str, Any]) -> torch.Tensor:
-        """Images `[B, C, H, W]`, or a NaFlex batch from timm's `create_naflex_loader` (eager only)."""
+        """Images `[B, C, H, W]`, or a NaFlex batch from timm's `create_naflex_loader` (not scripted)."""
         return self.forward_head(self.forward_features(x))
 
     # ------------------------------------------------------------------------------------------ NaFlex
