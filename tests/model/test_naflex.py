@@ -309,6 +309,7 @@ def bad_batches():
         ),
         "no valid": ({k: v for k, v in batch.items() if k != "patch_valid"}, {}, r"missing key\(s\) \['patch_valid'\]"),
         "lengths": (dict(batch, patch_valid=batch["patch_valid"][:, :-1]), {}, "disagree on"),
+        "not tensors": (dict(batch, patch_valid=batch["patch_valid"].tolist()), {}, "must be tensors"),
         "coord": (dict(batch, patch_coord=batch["patch_coord"].float()), {}, "integer patch indices"),
         "flat": (dict(batch, patches=batch["patches"][..., :-1]), {}, "not P\\*P\\*3"),
         "layout": (naflex_batch(images()[:1], flatten=False), dict(patchify_channels_last=False), "=True to match"),

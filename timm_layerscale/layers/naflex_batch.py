@@ -43,7 +43,10 @@ def read_naflex_batch(batch: Mapping[str, Any], config: VitLsConfig) -> NaFlexBa
         )
     patches, coord, valid = (batch[key] for key in NAFLEX_KEYS)
     if not all(isinstance(t, torch.Tensor) for t in (patches, coord, valid)):
-        raise ValueError("NaFlex batch: patches, patch_coord and patch_valid must be tensors")
+        raise ValueError(
+            "NaFlex batch: patches, patch_coord and patch_valid must be tensors: collate the patchified images "
+            "with timm's NaFlexCollator (create_naflex_loader does)"
+        )
     if patches.dim() not in (3, 5) or coord.dim() != 3 or coord.shape[-1] != 2 or valid.dim() != 2:
         raise ValueError(
             f"NaFlex batch: got patches {list(patches.shape)}, patch_coord {list(coord.shape)}, patch_valid "
