@@ -23,15 +23,18 @@ the faster anchor beside it.
 
 Sections, in this order, each skippable: --skip-fsdp, --skip-rope (one block's RoPE in four forms),
 --skip-load, then per variant --skip-fidelity and --skip-eager (with --skip-memory, --skip-profile inside),
-then --skip-compile (small and large at 224 px by default). A section that fails is recorded and the next
-one runs. --budget-s stops gracefully: a step that would not fit in what is left is skipped and recorded,
-rounds stop early (at least 3). Results go to --out as results.json (everything, raw times included) and
-summary.md (the tables), rewritten after every point, so a run cut short still leaves what it measured.
+then --skip-naflex (benchmarks/naflex.py: ViT-S on six aspect ratios through the NaFlex path, as squares,
+one at a time, grouped, and timm's NaFlexVit), then --skip-compile (small and large at 224 px by default).
+A section that fails is recorded and the next one runs. --budget-s stops gracefully: a step that would not
+fit in what is left is skipped and recorded, rounds stop early (at least 3). Results go to --out as
+results.json (everything, raw times included) and summary.md (the tables), rewritten after every point, so
+a run cut short still leaves what it measured.
 
 Wall time on one H200, estimated (not yet run there): imports and CUDA start 20 s, fsdp 10 s, RoPE 5 s,
 load 25 s (a 1.6 GiB file, four loads), the four variants 150 s (four models x 8 points x 13 calls, about
-4.3 s a round, plus FLOP counts, memory calls and profiles), compiling small then large 240 s (eight
-compiles): about 7.5 minutes, which the default --budget-s 450 caps (imports not counted).
+4.3 s a round, plus FLOP counts, memory calls and profiles), mixed aspect ratios 10 s, compiling small then
+large 240 s (eight compiles): about 7.7 minutes, which the default --budget-s 450 caps (imports not counted;
+the last compile runs only if the sections before it take less than estimated).
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ from common import (
     synchronize,
 )
 from forward import attention_kernel
+from naflex import measure as measure_naflex
+from naflex import table as naflex_table
+from naflex import timm_naflexvit
 from safetensors.torch import save_file
 from timm.layers import SwiGLU
 from timm.models.vision_transformer import VisionTransformer
@@ -425,6 +431,24 @@ def bench_compiled(variant, args, device, dtype, budget, results, overrides) -> 
             write(args.out, results)
 
 
+def bench_naflex(args, device, dtype, budget, results, overrides) -> None:
+    """ViT-S on a batch of six aspect ratios: the NaFlex path against squares, one image at a time, one batch
+    per aspect ratio and timm's NaFlexVit on the same weights (benchmarks/naflex.py)."""
+    trio = build_trio("small", device, overrides)
+    flex = timm_naflexvit(trio[EVA].cpu(), VARIANTS["small"][0], **overrides).to(device, dtype)
+    results["naflex"] = measure_naflex(
+        trio[OURS].to(dtype),
+        flex,
+        args.batch,
+        device,
+        dtype,
+        time_calls=lambda calls: interleaved(calls, args.rounds, device, budget, warmup=args.warmup),
+        memory=None if args.skip_memory else lambda call: peak_memory_mib(call, device),
+    )
+    ms = {way: median_ms(t) for way, t in results["naflex"]["times_s"].items()}
+    echo("  naflex: " + ", ".join(f"{way} {t:.2f} ms" for way, t in ms.items()))
+
+
 def bench_load(args, device, budget, results, overrides) -> None:
     """`create_model(..., pretrained=True, device=device, dtype=bf16)` of ViT-H+ from a bf16 file in eva's
     layout (the Hub tag's) made here: time and peak device memory, ours (streaming) against timm eva."""
@@ -627,6 +651,8 @@ def summary(results: dict, with_profiles: bool = True) -> str:
                 ]
             )
         lines += ["## RoPE of one block (q/k slice of qkv)", markdown(rows), ""]
+    if naflex := results.get("naflex"):
+        lines += [f"## Mixed aspect ratios, ViT-S, batch {naflex['batch']}", naflex_table(naflex), ""]
     if fsdp := results.get("fsdp"):
         lines += ["## shard_model, one rank", json.dumps(fsdp), ""]
     if results.get("kernels"):
@@ -671,7 +697,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--folded", action="store_true", help="also time ours with LayerScale folded (eager)")
     parser.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS)
     parser.add_argument("--workdir", default=None, help="where the ViT-H+ file is written (default: TMPDIR)")
-    for section in ("rope", "load", "eager", "fidelity", "memory", "compile", "profile", "fsdp"):
+    for section in ("rope", "load", "eager", "fidelity", "memory", "compile", "profile", "fsdp", "naflex"):
         parser.add_argument(f"--skip-{section}", action="store_true")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -732,6 +758,8 @@ def main(argv: list[str] | None = None) -> None:
         section("load", lambda: bench_load(args, device, budget, results, overrides), 40)
     for variant in args.variants:
         section(variant, lambda v=variant: bench_variant(v, args, device, dtype, budget, results, overrides), 20)
+    if not args.skip_naflex:
+        section("naflex", lambda: bench_naflex(args, device, dtype, budget, results, overrides), 15)
     if not args.skip_compile:
         for variant in [v for v in args.compile_variants if v in args.variants]:
             run = lambda v=variant: bench_compiled(v, args, device, dtype, budget, results, overrides)  # noqa: E731

@@ -38,6 +38,10 @@ class VitLsConfig:
     num_storage_tokens: int = 4
     dynamic_img_size: bool = True
     dynamic_img_pad: bool = False  # False: a side that is not a multiple of patch_size is an error
+    # NaFlex (timm's --naflex-loader): batches of patches at each image's own aspect ratio, as dicts
+    use_naflex: bool = True  # the forward also takes NaFlex dicts; False takes images only, as timm's eva
+    patchify_channels_last: bool = True  # patches as (P, P, C); False: (C, P, P), --naflex-patchify-channels-first
+    enable_patch_interpolator: bool = True  # patches of another size resample the patch embedding (FlexiViT)
     # Trunk
     embed_dim: int = 768
     depth: int = 12
@@ -210,6 +214,9 @@ _FIELD_RULES = (
         (
             "dynamic_img_size",
             "dynamic_img_pad",
+            "use_naflex",
+            "patchify_channels_last",
+            "enable_patch_interpolator",
             "qkv_bias",
             "mask_k_bias",
             "proj_bias",

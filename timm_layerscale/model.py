@@ -1,7 +1,8 @@
 """The model family: DINOv3-style ViT with LayerScale, RoPE and storage tokens, with timm's model API.
 
 Parameter and buffer names are Meta's, so a Meta DINOv3 state dict is this model's native layout;
-other layouts are converted on load by `timm_layerscale.checkpoints`.
+other layouts are converted on load by `timm_layerscale.checkpoints`. The forward takes images, or timm's
+NaFlex batches (dicts of patches at each image's own aspect ratio, `--naflex-loader`) outside TorchScript.
 """
 
 from collections.abc import Sequence
@@ -23,7 +24,17 @@ except ImportError:
 
 from .checkpoints.load_hook import install_load_hook
 from .config import TRAINING_SWITCHES, VitLsConfig
-from .layers import Block, KMaskedBiasLinear, LayerScale, RopeEmbedding
+from .layers import (
+    Block,
+    KMaskedBiasLinear,
+    LayerScale,
+    RopeEmbedding,
+    embed_patches,
+    naflex_patch_centres,
+    padding_key_mask,
+    pool_valid_tokens,
+    read_naflex_batch,
+)
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,7 +69,7 @@ class VisionTransformerLS(nn.Module):
     the parameters at construction (`device="meta"` allocates nothing).
     """
 
-    __jit_unused_properties__ = ["_model_args"]  # timm's bookkeeping, never read by the forward
+    __jit_unused_properties__ = ["_model_args", "embeds"]  # timm's bookkeeping, never read by the forward
 
     def __init__(
         self,
@@ -207,6 +218,17 @@ class VisionTransformerLS(nn.Module):
         )
 
     @torch.jit.ignore
+    def get_patch_size(self) -> tuple[int, int]:
+        """The patch size the NaFlex loader should cut (train.py's `--naflex-loader` asks for it)."""
+        return tuple(self.patch_embed.patch_size)
+
+    @property
+    def embeds(self) -> nn.Module:
+        """The patch embedding under timm's NaFlexVit name: validate.py's `--naflex-loader` reads
+        `model.embeds.patch_size`, and would otherwise cut 16-pixel patches."""
+        return self.patch_embed
+
+    @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         self.grad_checkpointing = enable
 
@@ -272,6 +294,9 @@ class VisionTransformerLS(nn.Module):
         else:
             # Keeps mask_token in the graph, so DDP without find_unused_parameters accepts it.
             cls_token = self.cls_token + 0 * self.mask_token
+        return self._with_prefix(x, cls_token)
+
+    def _with_prefix(self, x: torch.Tensor, cls_token: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
         prefix = torch.cat([cls_token, self.storage_tokens], dim=1).to(x.dtype)
         return torch.cat([prefix.expand(batch, -1, -1), x], dim=1)
@@ -288,65 +313,133 @@ class VisionTransformerLS(nn.Module):
         prefix = self.num_prefix_tokens
         return torch.cat([self.cls_norm(x[:, :prefix]), self.norm(x[:, prefix:])], dim=1)
 
-    def forward_features(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
-        """Normed tokens `[B, 1 + storage + H*W, C]`."""
-        height, width = self._patch_grid(x)
-        x = self.prepare_tokens(x, masks)
-        ropes = self._rope_per_block(height, width)
+    def _run_blocks(self, x: torch.Tensor, ropes: list[Rope], attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         for i, block in enumerate(self.blocks):
             if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(block, x, ropes[i], use_reentrant=False)
+                x = checkpoint(block, x, ropes[i], attn_mask, use_reentrant=False)
             else:
-                x = block(x, ropes[i])
-        return self._final_norm(x)
+                x = block(x, ropes[i], attn_mask)
+        return x
 
-    def pool(self, x: torch.Tensor, pool_type: str | None = None) -> torch.Tensor:
+    def forward_features(
+        self, x: torch.Tensor | dict[str, Any], masks: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Normed tokens `[B, 1 + storage + H*W, C]`; for a NaFlex batch, `{"patches": tokens [B, 1 + storage
+        + N, C], "patch_valid": [B, N]}` as timm's NaFlexVit returns them (padding tokens hold no result)."""
+        if torch.jit.is_scripting():
+            assert isinstance(x, torch.Tensor)  # a NaFlex batch is not scriptable
+        elif isinstance(x, dict):
+            return self._naflex_features(x)
+        height, width = self._patch_grid(x)
+        x = self.prepare_tokens(x, masks)
+        return self._final_norm(self._run_blocks(x, self._rope_per_block(height, width)))
+
+    def pool(
+        self, x: torch.Tensor, pool_type: str | None = None, patch_valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`global_pool` (or `pool_type`) over the tokens `x`; with `patch_valid`, over valid patches only."""
         pool_type = self.global_pool if pool_type is None else pool_type
+        if patch_valid is not None:
+            return pool_valid_tokens(x, patch_valid, pool_type, self.num_prefix_tokens)
         if pool_type == "cls_avg":
             return torch.cat([x[:, 0], x[:, self.num_prefix_tokens :].mean(dim=1)], dim=-1)
         return global_pool_nlc(x, pool_type=pool_type, num_prefix_tokens=self.num_prefix_tokens)
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.head_drop(self.pool(x))
+    def forward_head(
+        self,
+        x: torch.Tensor | dict[str, torch.Tensor],
+        pre_logits: bool = False,
+        patch_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pool, head_drop, head. `x`: tokens, or `forward_features`' NaFlex dict, whose padding no pool sees."""
+        if torch.jit.is_scripting():
+            assert isinstance(x, torch.Tensor)
+        elif isinstance(x, dict):
+            x, patch_valid = x["patches"], x["patch_valid"]
+        x = self.head_drop(self.pool(x, patch_valid=patch_valid))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | dict[str, Any]) -> torch.Tensor:
+        """Images `[B, C, H, W]`, or a NaFlex batch from timm's `create_naflex_loader` (not scripted)."""
         return self.forward_head(self.forward_features(x))
+
+    # ------------------------------------------------------------------------------------------ NaFlex
+
+    def _naflex_tokens(
+        self, batch: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[Rope], torch.Tensor | None]:
+        """A NaFlex batch's tokens `[cls, storage x N, patches]`, its `patch_valid`, RoPE per block on each
+        image's own grid, and the attention mask that keeps padding from every real token (None without)."""
+        cfg, proj = self.config, self.patch_embed.proj
+        naflex = read_naflex_batch(batch, cfg)
+        x = embed_patches(naflex, proj.weight, proj.bias, cfg.patchify_channels_last, cfg.enable_patch_interpolator)
+        x = self._with_prefix(self.patch_embed.norm(x), self.cls_token + 0 * self.mask_token)
+        coords = naflex_patch_centres(naflex.patch_coord, naflex.patch_valid, self.rope_embed.normalize_coords)
+        if self.training and self.rope_embed.augments:  # one draw per block, shared by the batch, as Meta's
+            ropes = [self.rope_embed.from_coords(coords) for _ in self.blocks]
+        else:
+            ropes = [self.rope_embed.from_coords(coords)] * len(self.blocks)
+        return x, naflex.patch_valid, ropes, padding_key_mask(naflex.patch_valid, self.num_prefix_tokens)
+
+    @torch.jit.unused
+    def _naflex_features(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        x, patch_valid, ropes, attn_mask = self._naflex_tokens(batch)
+        return {"patches": self._final_norm(self._run_blocks(x, ropes, attn_mask)), "patch_valid": patch_valid}
 
     # ------------------------------------------------------------------------------------ intermediates
 
     def forward_intermediates(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | dict[str, Any],
         indices: int | Sequence[int] | None = None,
         return_prefix_tokens: bool = False,
         norm: bool = False,
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
-    ) -> list[Any] | tuple[torch.Tensor, list[Any]]:
-        """timm's contract: block outputs at `indices` (last n if an int), optionally normed."""
+        output_dict: bool = False,
+    ) -> list[Any] | tuple[torch.Tensor, list[Any]] | dict[str, Any]:
+        """timm's contract: block outputs at `indices` (last n if an int), optionally normed. A NaFlex batch's
+        come as timm's NaFlexVit gives them: "NLC" only, padded `[B, N, C]` (`output_dict` adds `patch_valid`)."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt: got {output_fmt!r}; allowed: 'NCHW' or 'NLC'")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        height, width = self._patch_grid(x)
-        x = self.prepare_tokens(x)
+        grid, patch_valid, attn_mask = None, None, None
+        if isinstance(x, dict):
+            if output_fmt != "NLC":
+                raise ValueError(
+                    "output_fmt: got 'NCHW' for a NaFlex batch, whose images have grids of their own; allowed: "
+                    "'NLC' (place each token by patch_coord)"
+                )
+            x, patch_valid, ropes, attn_mask = self._naflex_tokens(x)
+        else:
+            grid = self._patch_grid(x)
+            x = self.prepare_tokens(x)
+            ropes = self._rope_per_block(*grid)
         blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
         intermediates = []
-        for i, (block, rope) in enumerate(zip(blocks, self._rope_per_block(height, width))):
-            x = checkpoint(block, x, rope, use_reentrant=False) if self.grad_checkpointing else block(x, rope)
+        for i, (block, rope) in enumerate(zip(blocks, ropes)):
+            if self.grad_checkpointing:
+                x = checkpoint(block, x, rope, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, rope, attn_mask)
             if i in take_indices:
                 intermediates.append(self._final_norm(x) if norm else x)
         prefix = self.num_prefix_tokens
         prefix_tokens = [y[:, :prefix] for y in intermediates]
         intermediates = [y[:, prefix:] for y in intermediates]
-        if output_fmt == "NCHW":
-            intermediates = [y.unflatten(1, (height, width)).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if grid is not None and output_fmt == "NCHW":
+            intermediates = [y.unflatten(1, grid).permute(0, 3, 1, 2).contiguous() for y in intermediates]
+        if output_dict:
+            found = {"image_intermediates": intermediates}
+            if return_prefix_tokens:
+                found["image_intermediates_prefix"] = prefix_tokens
+            if patch_valid is not None:
+                found["patch_valid"] = patch_valid
+            return found if intermediates_only else {**found, "image_features": self._final_norm(x)}
         if return_prefix_tokens:
             intermediates = list(zip(intermediates, prefix_tokens))
-        if intermediates_only:
-            return intermediates
-        return self._final_norm(x), intermediates
+        return intermediates if intermediates_only else (self._final_norm(x), intermediates)
 
     def prune_intermediate_layers(
         self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True

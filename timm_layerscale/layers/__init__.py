@@ -2,6 +2,10 @@ from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_
 from .block import Block
 from .ffn import SwiGLU, swiglu_hidden_features
 from .layer_scale import LayerScale, layer_scale_or_identity
+from .naflex_batch import NaFlexBatch, read_naflex_batch
+from .naflex_embed import embed_patches
+from .naflex_grid import naflex_patch_centres, padding_key_mask
+from .naflex_pool import pool_valid_tokens
 from .rope import RopeEmbedding, apply_rope
 
 __all__ = [
@@ -9,11 +13,17 @@ __all__ = [
     "Block",
     "KMaskedBiasLinear",
     "LayerScale",
+    "NaFlexBatch",
     "RopeEmbedding",
     "SwiGLU",
     "apply_rope",
     "effective_qkv_bias",
+    "embed_patches",
     "k_bias_mask",
     "layer_scale_or_identity",
+    "naflex_patch_centres",
+    "padding_key_mask",
+    "pool_valid_tokens",
+    "read_naflex_batch",
     "swiglu_hidden_features",
 ]

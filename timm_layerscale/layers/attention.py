@@ -13,11 +13,13 @@ from .rope import apply_rope, apply_rope_low_precision
 def rotate_queries_keys(qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """RoPE on the stacked q/k slice of qkv `[batch, tokens, 2, heads, head_dim]`, q and k in one pass.
 
-    fp32 takes `apply_rope`, exact to Meta's; bf16 and fp16 take its fewer-pass form, which without autograd
-    writes the result back into qkv: a third copy of q and k would otherwise make RoPE the forward's peak.
+    `rope` is one grid's `[tokens, head_dim]` pair, or a NaFlex batch's `[batch, tokens, head_dim]` (one
+    grid per image). fp32 takes `apply_rope`, exact to Meta's; bf16 and fp16 take its fewer-pass form, which
+    without autograd writes the result back into qkv: a third copy of q and k would otherwise make RoPE the
+    forward's peak.
     """
     sin, cos = rope
-    rope = (sin[:, None, None], cos[:, None, None])
+    rope = (sin.unsqueeze(-2).unsqueeze(-2), cos.unsqueeze(-2).unsqueeze(-2))
     if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:
         return apply_rope_low_precision(qk, rope, out=None if torch.is_grad_enabled() else qk)
     return apply_rope(qk, rope)
@@ -77,7 +79,14 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`attn_mask`: None (every token attends to every token), or the keys each query may attend to,
+        boolean `[batch, 1, 1, tokens]` (a NaFlex batch's padding is no key)."""
         batch, tokens, dim = x.shape
         qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim)
         qk, v = qkv[:, :, :2], qkv[:, :, 2]
@@ -85,6 +94,8 @@ class Attention(nn.Module):
             qk = rotate_queries_keys(qk, rope)
         q, k = qk.unbind(2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.0)
+        x = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.0
+        )
         x = x.transpose(1, 2).reshape(batch, tokens, dim)
         return self.proj_drop(self.proj(x))

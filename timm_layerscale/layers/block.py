@@ -20,6 +20,20 @@ def random_subset(x: torch.Tensor, drop_rate: float) -> tuple[torch.Tensor, floa
     return torch.randperm(batch, device=x.device)[:kept], batch / kept
 
 
+@torch.fx.wrap  # one call in every FX graph, as `random_subset`: it tells a shared RoPE from a per-image one
+@register_notrace_function
+def subset_rope_and_mask(
+    index: torch.Tensor, rope: Rope, attn_mask: torch.Tensor | None
+) -> tuple[Rope, torch.Tensor | None]:
+    """The RoPE and attention mask of the samples at `index`: a NaFlex batch's per-image RoPE and mask are
+    taken at those rows; one grid's RoPE, shared by all samples, is kept as it is."""
+    if rope is not None and rope[0].dim() == 3:
+        rope = (rope[0][index], rope[1][index])
+    if attn_mask is not None:
+        attn_mask = attn_mask[index]
+    return rope, attn_mask
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: `x + ls1(attn(norm1(x)))`, then `x + ls2(mlp(norm2(x)))`.
 
@@ -60,17 +74,18 @@ class Block(nn.Module):
         self.sample_drop_rate = drop_path if stochastic_depth == "sample_drop" else 0.0
         self.drop_path = DropPath(drop_path) if stochastic_depth == "drop_path" and drop_path > 0 else nn.Identity()
 
-    def _attn_branch(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
-        return self.ls1(self.attn(self.norm1(x), rope))
+    def _attn_branch(self, x: torch.Tensor, rope: Rope, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.ls1(self.attn(self.norm1(x), rope, attn_mask))
 
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.ls2(self.mlp(self.norm2(x)))
 
-    def forward(self, x: torch.Tensor, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self.sample_drop_rate > 0:
             index, scale = random_subset(x, self.sample_drop_rate)
-            x = torch.index_add(x, 0, index, self._attn_branch(x[index], rope).to(x.dtype), alpha=scale)
+            sub_rope, sub_mask = subset_rope_and_mask(index, rope, attn_mask)
+            x = torch.index_add(x, 0, index, self._attn_branch(x[index], sub_rope, sub_mask).to(x.dtype), alpha=scale)
             index, scale = random_subset(x, self.sample_drop_rate)
             return torch.index_add(x, 0, index, self._mlp_branch(x[index]).to(x.dtype), alpha=scale)
-        x = x + self.drop_path(self._attn_branch(x, rope))
+        x = x + self.drop_path(self._attn_branch(x, rope, attn_mask))
         return x + self.drop_path(self._mlp_branch(x))

@@ -2,12 +2,13 @@
 
 Each head's channels are split in two halves that are rotated against each other ("rotate-half"); the
 angles are the patch centre's y coordinate for the first quarter of frequencies and x for the second,
-both normalised to [-1, 1] over the patch grid.
+both normalised to [-1, 1] over the patch grid (each image's own grid in a NaFlex batch).
 """
 
 import math
 
 import torch
+import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
@@ -80,10 +81,10 @@ class RopeEmbedding(nn.Module):
         periods = self.base**exponents
         self.periods.copy_(bf16_rounded(periods) if self.round_periods_to_bf16 else periods)
 
-    def _coords(self, height: int, width: int) -> torch.Tensor:
+    def _augment(self, coords: torch.Tensor) -> torch.Tensor:
         # Tensors are made from `coords` and `periods` is used whole, never indexed: under FX these stay
         # graph nodes, where a draw or a slice of a buffer would be computed once at trace time and frozen.
-        coords = patch_centre_coords(height, width, self.normalize_coords, self.periods)
+        # One draw per call, shared by every image of the batch (`coords` [..., 2]), as Meta's.
         if self.training:
             if self.shift_coords is not None:
                 coords = coords + coords.new_empty(2).uniform_(-self.shift_coords, self.shift_coords)
@@ -101,10 +102,17 @@ class RopeEmbedding(nn.Module):
         Prefix tokens get the identity rotation (sin 0, cos 1), so attention rotates all tokens at once.
         The sin's first half is negated: `rotate_half(x) * sin == x.roll(half) * signed_sin`, one kernel less.
         """
-        angles = 2 * math.pi * self._coords(height, width)[:, :, None] / self.periods.float()
-        angles = angles.flatten(1, 2)
-        angles = torch.cat([angles.new_zeros(self.num_prefix_tokens, angles.shape[1]), angles])
-        sin, cos = angles.sin(), angles.cos()
+        return self.from_coords(patch_centre_coords(height, width, self.normalize_coords, self.periods))
+
+    def from_coords(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s (sin, cos) for patch centres `coords` [..., tokens, 2] (y, x) normalised to [-1, 1]:
+        one image's grid, or a NaFlex batch's [batch, tokens, 2] with each image's own grid."""
+        angles = 2 * math.pi * self._augment(coords)[..., None] / self.periods.float()
+        angles = angles.flatten(-2)
+        # The prefix rows are padded on after sin and cos, not concatenated before: TorchScript's autodiff
+        # leaves a list of tensors unguarded, and under inference_mode would save them for backward.
+        prefix = (0, 0, self.num_prefix_tokens, 0)
+        sin, cos = F.pad(angles.sin(), prefix), F.pad(angles.cos(), prefix, value=1.0)
         return torch.cat([-sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
 
 
@@ -117,8 +125,13 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     """
     signed_sin, cos = rope
     half = x.shape[-1] // 2
-    # The halves swapped by one cat: `roll` would first copy a strided `x` (the q/k slice of qkv) whole.
-    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
+    if torch.jit.is_scripting():
+        # A flip of the two halves, not a cat of them: TorchScript's autodiff leaves a cat's list of tensors
+        # unguarded, so a scripted model that has trained would save them for backward under inference_mode.
+        rotated = x.unflatten(-1, (2, half)).flip(-2).flatten(-2) * signed_sin
+    else:
+        # The halves swapped by one cat: `roll` would first copy a strided `x` (the q/k slice of qkv) whole.
+        rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
     return (x * cos).add_(rotated).to(x.dtype)
 
 

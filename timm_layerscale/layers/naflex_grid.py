@@ -1,0 +1,36 @@
+"""Where each token of a NaFlex batch sits: patch centres on each image's own grid, and which keys are real.
+
+An image's grid is `patch_coord.amax + 1` over its valid patches (timm's NaFlexVit reads it the same way),
+so DINOv3's per-side coordinate normalisation sees each image's own height and width, as the image path
+does for a batch of one size.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..config import NORMALIZE_COORDS
+
+
+def naflex_patch_centres(
+    patch_coord: torch.Tensor, patch_valid: torch.Tensor, normalize_coords: str = "separate"
+) -> torch.Tensor:
+    """Patch centres [B, N, 2] (y, x) in fp32, normalised to [-1, 1] over each image's grid as
+    `patch_centre_coords` normalises one grid (`normalize_coords`: per side, or by the longer or shorter)."""
+    if normalize_coords not in NORMALIZE_COORDS:
+        raise ValueError(f"normalize_coords: got {normalize_coords!r}; allowed: {NORMALIZE_COORDS}")
+    grid = patch_coord.masked_fill(~patch_valid.unsqueeze(-1), 0).amax(dim=1) + 1  # [B, 2]: height, width
+    if normalize_coords == "max":
+        grid = grid.amax(dim=-1, keepdim=True)
+    elif normalize_coords == "min":
+        grid = grid.amin(dim=-1, keepdim=True)
+    coords = (patch_coord.to(torch.float32) + 0.5) / grid.to(torch.float32).unsqueeze(1)
+    return 2.0 * coords - 1.0
+
+
+def padding_key_mask(patch_valid: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor | None:
+    """The keys each query may attend to, [B, 1, 1, prefix + N] bool (prefix tokens always), or None when no
+    token is padding, so a full batch keeps SDPA's fastest kernels. Padding queries still attend to the real
+    keys (a row with no key would be NaN), but no real token ever attends to padding."""
+    if bool(patch_valid.all()):
+        return None
+    return F.pad(patch_valid, (num_prefix_tokens, 0), value=True)[:, None, None, :]
