@@ -448,3 +448,71 @@ def test_without_the_export_extra_the_command_says_what_to_install(tmp_path):
     assert run.returncode == 2 and len(run.stderr.splitlines()) == 1
     assert "onnxruntime" in run.stderr and "pip install 'timm-layerscale[export]'" in run.stderr
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ outputs, batch and the file pair
+
+
+def test_feature_blocks_come_out_in_block_order(tmp_path):
+    model = tiny(depth=3)
+    export_onnx(model, tmp_path / "f.onnx", outputs="features:2,0")
+    assert [o.name for o in onnx.load(str(tmp_path / "f.onnx")).graph.output] == ["features_0", "features_2"]
+    x = images(1, 32, 48)
+    got = session(tmp_path / "f.onnx").run(None, {"pixel_values": x.numpy()})
+    with torch.no_grad():
+        want = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
+    assert all(relative(g, w) < 1e-4 for g, w in zip(got, want, strict=True))
+
+
+def test_the_check_compares_every_output_of_the_file(tmp_path):
+    """A check that expects more outputs than the file has is an error, never a comparison of the first alone."""
+    model = tiny(depth=2)
+    export_onnx(model, tmp_path / "f.onnx", outputs="features:0")
+    (row,) = check_onnx(tmp_path / "f.onnx", model, "features", [0], batch=1, sizes=SIZES[:1])
+    assert row.output == "features_0" and row.max_rel < 1e-4
+    with pytest.raises(ValueError, match="zip"):
+        check_onnx(tmp_path / "f.onnx", model, "features", [0, 1], batch=1, sizes=SIZES[:1])
+
+
+def test_a_dynamic_batch_starts_at_one():
+    config = VARIANTS[VARIANT["mlp"]].config.replace(**TINY)
+    _, shapes = example_and_shapes(config, torch.float32, None, None, "meta")
+    assert shapes["pixel_values"][0].min == 1
+
+
+def test_external_tensors_start_on_mappable_offsets(tmp_path):
+    save_native(tiny("vit_ls_7b_patch16_dinov3"), tmp_path / "native")
+    export_onnx(tmp_path / "native", tmp_path / "m.onnx", external_data=True)
+    proto = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    offsets = [int(e.value) for t in proto.graph.initializer for e in t.external_data if e.key == "offset"]
+    assert len(offsets) == len(proto.graph.initializer) and sum(o > 0 for o in offsets) > 10
+    assert all(offset % export_weights.ALIGNMENT == 0 for offset in offsets)
+    assert export_weights.ALIGNMENT >= 4096
+
+
+def test_an_overwrite_without_external_data_removes_the_old_data_file(tmp_path):
+    save_native(tiny(), tmp_path / "native")
+    export_onnx(tmp_path / "native", tmp_path / "m.onnx", external_data=True)
+    assert (tmp_path / "m.onnx.data").exists()
+    export_onnx(tmp_path / "native", tmp_path / "m.onnx", external_data=False, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "native"]
+    assert session(tmp_path / "m.onnx").run(None, {"pixel_values": images(1, 32, 32).numpy()})[0].shape == (1, 64)
+
+
+def test_a_failed_rename_puts_the_old_pair_back(tmp_path, monkeypatch):
+    """The .onnx and its .data are replaced as a pair: when the second rename fails, both old files return."""
+    save_native(tiny(), tmp_path / "native")
+    export_onnx(tmp_path / "native", tmp_path / "m.onnx", external_data=True)
+    old = {name: (tmp_path / name).read_bytes() for name in ("m.onnx", "m.onnx.data")}
+    replace = os.replace
+
+    def second_new_file_fails(source, target):
+        if Path(source).name == "m.onnx" and ".tmp-" in str(source):
+            raise OSError("rename refused")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", second_new_file_fails)
+    with pytest.raises(OSError, match="rename refused"):
+        export_onnx(tiny(seed=1), tmp_path / "m.onnx", external_data=True, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data", "native"]
+    assert {name: (tmp_path / name).read_bytes() for name in old} == old
