@@ -1,6 +1,6 @@
 """How soon `timm-ls` answers when it need not load torch: help, version, and input it refuses.
 
-    python benchmarks/cli_startup.py [--rounds 10]
+    python -m benchmarks.cli_startup [--rounds 10]
 
 Each case is a whole `timm-ls` process (the console script of this environment), timed from start to exit, in
 turns with `python -c "import torch"` in the same round; the figure is the median over rounds of the ratio of

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import math
 import platform
 import statistics
 import threading
@@ -22,11 +23,16 @@ from datetime import date
 import timm
 import torch
 import transformers
+from timm.layers import SwiGLU
 from timm.models.eva import checkpoint_filter_fn as eva_filter
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 import timm_layerscale
+from timm_layerscale.checkpoints.formats.base import hidden_features
+from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
+from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS, transformers_config
 
 logging.getLogger("timm_layerscale").setLevel(logging.ERROR)  # random weights trip the untrained-gamma warning
 
@@ -208,3 +214,120 @@ def header(what: str) -> str:
 def markdown(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows[1:]])
+
+
+# ------------------------------------------------------------------- one set of weights in every model
+
+# variant: (eva's fastest eager form, eva's layout of the Hub files)
+EVA_FORMS = {
+    "small": ("vit_small_patch16_dinov3", "vit_small_patch16_dinov3_qkvb"),
+    "base": ("vit_base_patch16_dinov3", "vit_base_patch16_dinov3_qkvb"),
+    "large": ("vit_large_patch16_dinov3", "vit_large_patch16_dinov3_qkvb"),
+    "huge_plus": ("vit_huge_plus_patch16_dinov3", "vit_huge_plus_patch16_dinov3_qkvb"),
+}
+
+
+def ours_name(variant: str) -> str:
+    return f"vit_ls_{variant}_patch16_dinov3"
+
+
+@torch.no_grad()
+def randomise_(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Every parameter off its init (gammas of both signs, biases and norms away from 0 and 1), qkv biases
+    zero as in the released files; linear weights at unit gain so no branch vanishes."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+
+    def draw(p: torch.Tensor, kind: str = "normal") -> torch.Tensor:
+        t = torch.empty(p.shape, device=p.device, dtype=p.dtype)
+        return t.normal_(generator=generator) if kind == "normal" else t.uniform_(0.5, 1.5, generator=generator)
+
+    for name, p in model.named_parameters():
+        if name.endswith("qkv.bias"):
+            p.zero_()
+        elif name.endswith("gamma"):
+            p.copy_(draw(p, "uniform") * draw(p).sign())
+        elif name.endswith("bias"):
+            p.copy_(draw(p) * 0.2)
+        elif p.ndim == 1:
+            p.copy_(draw(p, "uniform"))
+        elif p.ndim == 2:
+            p.copy_(draw(p) / math.sqrt(p.shape[1]))
+        else:
+            p.copy_(draw(p) * 0.5)
+    return model
+
+
+def build_trio(variant: str, device: torch.device, overrides: dict) -> dict[str, nn.Module]:
+    """Ours, eva and transformers in fp32 on `device`, eval mode, with one set of weights."""
+    with torch.device(device):
+        ours = timm.create_model(ours_name(variant), num_classes=0, rope_periods_bf16=False, **overrides)
+        randomise_(ours)
+        native = ours.state_dict()
+        eva = timm.create_model(EVA_FORMS[variant][0], global_pool="token", num_classes=0, **overrides)
+        eva_state, _ = TIMM_EVA.table.from_native(native, qkv_bias=False)
+        load_exact(eva, dict(eva_state.items()))
+        fields = transformers_config(ours.config, k_bias=False, dtype=torch.float32)
+        config = DINOv3ViTConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
+        config._attn_implementation = "sdpa"
+        hf = DINOv3ViTModel(config)
+        hf_state, _ = TRANSFORMERS.table.from_native(native, k_bias=False)
+        load_exact(hf, dict(hf_state.items()))
+    return {OURS: ours.eval(), EVA: eva.eval(), HF: hf.eval()}
+
+
+def load_exact(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Every parameter from `state` (whichever block prefix this transformers version uses in memory);
+    only buffers the model computes itself (RoPE tables) may be missing."""
+    own = model.state_dict()
+    state = {k if k in own or f"model.{k}" not in own else f"model.{k}": v for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters())
+    missing = [k for k in result.missing_keys if k in params]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"{type(model).__name__}: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]} (of "
+            f"{len(missing)} and {len(result.unexpected_keys)})"
+        )
+
+
+def build_plain(ours: nn.Module, size: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """A plain timm ViT of ours' width, depth and MLP: learned position embedding, no RoPE or storage."""
+    cfg = ours.config
+    hidden = hidden_features(cfg)
+    swiglu = cfg.ffn_layer == "swiglu"
+    with torch.device(device):
+        model = VisionTransformer(
+            img_size=size,
+            patch_size=cfg.patch_size,
+            embed_dim=cfg.embed_dim,
+            depth=cfg.depth,
+            num_heads=cfg.num_heads,
+            mlp_ratio=(hidden + 0.5) / cfg.embed_dim,  # int() of it gives `hidden` back
+            qkv_bias=True,
+            global_pool="token",
+            num_classes=0,
+            mlp_layer=SwiGLU if swiglu else timm.layers.Mlp,
+            act_layer=nn.SiLU if swiglu else nn.GELU,
+        )
+    return model.to(dtype).eval()
+
+
+def nbytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+# --------------------------------------------------------------------------------------------- timing
+
+
+def timed(call: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call: CUDA events on a GPU (then a synchronize), the wall clock on a CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1000

@@ -16,7 +16,7 @@ count), sampled from /proc/<pid>/status every 50 ms; time is measured inside the
 Then the cost of `.pth` output is measured on a 10-block checkpoint of the same shapes: Meta's layout
 written as `.safetensors` and as `.pth`.
 
-    python benchmarks/convert.py --workdir /path/with/45GB/free [--rounds 2] [--jobs copy,hf,native,meta-train]
+    python -m benchmarks.convert --workdir /path/with/45GB/free [--rounds 2] [--jobs copy,hf,native,meta-train]
 
 It needs about 13.4 GB of free disk for the source plus the largest output (28 GB for meta-train) and deletes
 its files at the end.

@@ -1,9 +1,9 @@
 """CPU inference through ONNX Runtime: ours exported against timm eva exported the same way and eager PyTorch;
 and the 7B's export from a checkpoint, its time and peak memory.
 
-    python benchmarks/export_onnx.py                                  # small and base, batch 1 and 8, 224 px
-    python benchmarks/export_onnx.py --threads 1 --rounds 15          # a shared machine
-    python benchmarks/export_onnx.py --export-7b --workdir /tmp/onnx7b  # writes a 13.4 GB fp16 checkpoint first
+    python -m benchmarks.export_onnx                                  # small and base, batch 1 and 8, 224 px
+    python -m benchmarks.export_onnx --threads 1 --rounds 15          # a shared machine
+    python -m benchmarks.export_onnx --export-7b --workdir /tmp/onnx7b  # writes a 13.4 GB fp16 checkpoint first
 
 Both models carry the same weights (see common.build_models) and are exported by torch's exporter with the
 same opset, dynamic batch and sides; ours through `export_onnx` (its side check and metadata included),
@@ -30,7 +30,14 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from common import (
+
+from timm_layerscale import export_onnx
+from timm_layerscale.checkpoints.reader import TensorInfo
+from timm_layerscale.checkpoints.writers import write_safetensors
+from timm_layerscale.model import VisionTransformerLS
+from timm_layerscale.variants import VARIANTS
+
+from .common import (
     EVA,
     OURS,
     add_machine_args,
@@ -43,12 +50,6 @@ from common import (
     round_robin,
     rss_anon_mib,
 )
-
-from timm_layerscale import export_onnx
-from timm_layerscale.checkpoints.reader import TensorInfo
-from timm_layerscale.checkpoints.writers import write_safetensors
-from timm_layerscale.model import VisionTransformerLS
-from timm_layerscale.variants import VARIANTS
 
 ORT_OURS, ORT_EVA, EAGER = "ours ORT", "eva ORT", "ours eager"
 

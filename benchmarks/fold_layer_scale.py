@@ -1,6 +1,6 @@
 """What `fold_layer_scale` buys for inference: time saved and the output difference it costs.
 
-    python benchmarks/fold_layer_scale.py             # CPU fp32: small and base, batch 1 and 8, 224 px
+    python -m benchmarks.fold_layer_scale             # CPU fp32: small and base, batch 1 and 8, 224 px
 
 The model carries random weights with gammas drawn in [0.5, 1.5] with random signs (trained gammas are
 far from their init); its folded copy has every gamma fused into the projection before it. Per point: the
@@ -15,9 +15,10 @@ import copy
 
 import timm
 import torch
-from common import add_machine_args, apply_machine_args, header, markdown, median_ms, ratio_stats, round_robin
 
 import timm_layerscale
+
+from .common import add_machine_args, apply_machine_args, header, markdown, median_ms, ratio_stats, round_robin
 
 TOLERANCE = 1e-5
 

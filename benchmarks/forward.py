@@ -1,7 +1,7 @@
 """Inference speed, peak memory and bf16 error against timm eva and transformers, measured in one run.
 
-    python benchmarks/forward.py                      # CPU fp32: small and base, batch 1 and 8, 224 px
-    python benchmarks/forward.py --device cuda --dtype bfloat16 --variants small base large \\
+    python -m benchmarks.forward                      # CPU fp32: small and base, batch 1 and 8, 224 px
+    python -m benchmarks.forward --device cuda --dtype bfloat16 --variants small base large \\
         --sizes 224 512 --batches 64 --compile
 
 Per point it prints each model's median time, the speed-up of ours over each anchor (anchor time / our
@@ -20,7 +20,9 @@ import copy
 import statistics
 
 import torch
-from common import (
+from torch.utils.flop_counter import FlopCounterMode
+
+from .common import (
     EVA,
     HF,
     OURS,
@@ -36,7 +38,6 @@ from common import (
     ratio_stats,
     round_robin,
 )
-from torch.utils.flop_counter import FlopCounterMode
 
 GEMM_SIDE = 1024
 DENSE_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # vendor peaks, no sparsity

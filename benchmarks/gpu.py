@@ -1,8 +1,8 @@
 """Every GPU target in one budgeted run: bf16 speed against timm eva, transformers and a plain timm ViT,
 FLOP/s and MFU, torch.compile, peak memory, bf16 fidelity, streaming load to CUDA and FSDP2 on one rank.
 
-    python -u benchmarks/gpu.py --out gpu-results                # one H200, about 8 minutes
-    python -u benchmarks/gpu.py --smoke --out /tmp/gpu-smoke     # CPU, tiny widths, fp32: proves it runs
+    python -u -m benchmarks.gpu --out gpu-results                # one H200, about 8 minutes
+    python -u -m benchmarks.gpu --smoke --out /tmp/gpu-smoke     # CPU, tiny widths, fp32: proves it runs
 
 Models, per variant (small, base, large, huge_plus): ours (`vit_ls_*_patch16_dinov3`), timm eva in its
 fastest eager form (`vit_*_patch16_dinov3`: fused qkv, no qkv bias, SDPA), transformers' `DINOv3ViTModel`
@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import sys
@@ -56,48 +55,45 @@ from pathlib import Path
 import timm
 import torch
 import torch.nn.functional as F
-from common import (
-    EVA,
-    HF,
-    OURS,
-    features,
-    header,
-    markdown,
-    peak_memory_mib,
-    profile_top,
-    ratio_stats,
-    round_robin,
-    synchronize,
-)
-from forward import attention_kernel
-from naflex import measure as measure_naflex
-from naflex import table as naflex_table
-from naflex import timm_naflexvit
 from safetensors.torch import save_file
-from timm.layers import SwiGLU
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale import fold_layer_scale, shard_model
-from timm_layerscale.checkpoints.formats.base import hidden_features
 from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
-from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS, transformers_config
 from timm_layerscale.layers import RopeEmbedding, apply_rope
 from timm_layerscale.layers.attention import rotate_queries_keys
 from timm_layerscale.layers.rope import apply_rope_low_precision
 
+from .common import (
+    EVA,
+    EVA_FORMS,
+    HF,
+    OURS,
+    build_plain,
+    build_trio,
+    features,
+    header,
+    markdown,
+    median_ms,
+    nbytes,
+    ours_name,
+    peak_memory_mib,
+    profile_top,
+    randomise_,
+    ratio_stats,
+    round_robin,
+    synchronize,
+    timed,
+)
+from .forward import attention_kernel
+from .naflex import measure as measure_naflex
+from .naflex import table as naflex_table
+from .naflex import timm_naflexvit
+
 PLAIN = "plain ViT"
 FOLDED = "ours, LayerScale folded"  # --folded: `fold_layer_scale` on a copy, timed beside, no target
 ANCHORS = (EVA, HF)
-# variant: (eva's fastest eager form, eva's layout of the Hub files)
-VARIANTS = {
-    "small": ("vit_small_patch16_dinov3", "vit_small_patch16_dinov3_qkvb"),
-    "base": ("vit_base_patch16_dinov3", "vit_base_patch16_dinov3_qkvb"),
-    "large": ("vit_large_patch16_dinov3", "vit_large_patch16_dinov3_qkvb"),
-    "huge_plus": ("vit_huge_plus_patch16_dinov3", "vit_huge_plus_patch16_dinov3_qkvb"),
-}
 TINY = dict(embed_dim=64, num_heads=4, depth=2)  # --smoke: the variants' rules at a tiny width
 H200_DENSE_BF16_TFLOPS = 989.0
 TARGETS = dict(eager_speedup=1.15, compiled_speedup=1.0, work_vs_plain=0.9)
@@ -128,110 +124,7 @@ class Budget:
 # --------------------------------------------------------------------------------------------- models
 
 
-def ours_name(variant: str) -> str:
-    return f"vit_ls_{variant}_patch16_dinov3"
-
-
-@torch.no_grad()
-def randomise_(model: nn.Module, seed: int = 0) -> nn.Module:
-    """Every parameter off its init (gammas of both signs, biases and norms away from 0 and 1), qkv biases
-    zero as in the released files; linear weights at unit gain so no branch vanishes."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-
-    def draw(p: torch.Tensor, kind: str = "normal") -> torch.Tensor:
-        t = torch.empty(p.shape, device=p.device, dtype=p.dtype)
-        return t.normal_(generator=generator) if kind == "normal" else t.uniform_(0.5, 1.5, generator=generator)
-
-    for name, p in model.named_parameters():
-        if name.endswith("qkv.bias"):
-            p.zero_()
-        elif name.endswith("gamma"):
-            p.copy_(draw(p, "uniform") * draw(p).sign())
-        elif name.endswith("bias"):
-            p.copy_(draw(p) * 0.2)
-        elif p.ndim == 1:
-            p.copy_(draw(p, "uniform"))
-        elif p.ndim == 2:
-            p.copy_(draw(p) / math.sqrt(p.shape[1]))
-        else:
-            p.copy_(draw(p) * 0.5)
-    return model
-
-
-def build_trio(variant: str, device: torch.device, overrides: dict) -> dict[str, nn.Module]:
-    """Ours, eva and transformers in fp32 on `device`, eval mode, with one set of weights."""
-    with torch.device(device):
-        ours = timm.create_model(ours_name(variant), num_classes=0, rope_periods_bf16=False, **overrides)
-        randomise_(ours)
-        native = ours.state_dict()
-        eva = timm.create_model(VARIANTS[variant][0], global_pool="token", num_classes=0, **overrides)
-        eva_state, _ = TIMM_EVA.table.from_native(native, qkv_bias=False)
-        load_exact(eva, dict(eva_state.items()))
-        fields = transformers_config(ours.config, k_bias=False, dtype=torch.float32)
-        config = DINOv3ViTConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
-        config._attn_implementation = "sdpa"
-        hf = DINOv3ViTModel(config)
-        hf_state, _ = TRANSFORMERS.table.from_native(native, k_bias=False)
-        load_exact(hf, dict(hf_state.items()))
-    return {OURS: ours.eval(), EVA: eva.eval(), HF: hf.eval()}
-
-
-def load_exact(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Every parameter from `state` (whichever block prefix this transformers version uses in memory);
-    only buffers the model computes itself (RoPE tables) may be missing."""
-    own = model.state_dict()
-    state = {k if k in own or f"model.{k}" not in own else f"model.{k}": v for k, v in state.items()}
-    result = model.load_state_dict(state, strict=False)
-    params = dict(model.named_parameters())
-    missing = [k for k in result.missing_keys if k in params]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(
-            f"{type(model).__name__}: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]} (of "
-            f"{len(missing)} and {len(result.unexpected_keys)})"
-        )
-
-
-def build_plain(ours: nn.Module, size: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """A plain timm ViT of ours' width, depth and MLP: learned position embedding, no RoPE or storage."""
-    cfg = ours.config
-    hidden = hidden_features(cfg)
-    swiglu = cfg.ffn_layer == "swiglu"
-    with torch.device(device):
-        model = VisionTransformer(
-            img_size=size,
-            patch_size=cfg.patch_size,
-            embed_dim=cfg.embed_dim,
-            depth=cfg.depth,
-            num_heads=cfg.num_heads,
-            mlp_ratio=(hidden + 0.5) / cfg.embed_dim,  # int() of it gives `hidden` back
-            qkv_bias=True,
-            global_pool="token",
-            num_classes=0,
-            mlp_layer=SwiGLU if swiglu else timm.layers.Mlp,
-            act_layer=nn.SiLU if swiglu else nn.GELU,
-        )
-    return model.to(dtype).eval()
-
-
-def nbytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
 # --------------------------------------------------------------------------------------------- timing
-
-
-def timed(call: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one call: CUDA events on a GPU (then a synchronize), the wall clock on a CPU."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        call()
-        return time.perf_counter() - start
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    call()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / 1000
 
 
 def interleaved(
@@ -252,10 +145,6 @@ def count_flops(call: Callable[[], object]) -> int:
     with FlopCounterMode(display=False) as counter:
         call()
     return counter.get_total_flops()
-
-
-def median_ms(seconds: list[float]) -> float:
-    return statistics.median(seconds) * 1000
 
 
 # --------------------------------------------------------------------------------------------- sections
@@ -435,7 +324,7 @@ def bench_naflex(args, device, dtype, budget, results, overrides) -> None:
     """ViT-S on a batch of six aspect ratios: the NaFlex path against squares, one image at a time, one batch
     per aspect ratio and timm's NaFlexVit on the same weights (benchmarks/naflex.py)."""
     trio = build_trio("small", device, overrides)
-    flex = timm_naflexvit(trio[EVA].cpu(), VARIANTS["small"][0], **overrides).to(device, dtype)
+    flex = timm_naflexvit(trio[EVA].cpu(), EVA_FORMS["small"][0], **overrides).to(device, dtype)
     results["naflex"] = measure_naflex(
         trio[OURS].to(dtype),
         flex,
@@ -453,7 +342,7 @@ def bench_load(args, device, budget, results, overrides) -> None:
     """`create_model(..., pretrained=True, device=device, dtype=bf16)` of ViT-H+ from a bf16 file in eva's
     layout (the Hub tag's) made here: time and peak device memory, ours (streaming) against timm eva."""
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    eva_name = VARIANTS["huge_plus"][1]
+    eva_name = EVA_FORMS["huge_plus"][1]
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         path = Path(tmp) / "vit_huge_plus_bf16.safetensors"
         start = time.perf_counter()
@@ -679,13 +568,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json and summary.md")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny widths, fp32, 1 round, no compile")
     parser.add_argument("--budget-s", type=float, default=450.0, help="stop gracefully after this many seconds")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(EVA_FORMS), default=list(EVA_FORMS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[224, 512])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--fidelity-batch", type=int, default=16)
-    parser.add_argument("--compile-variants", nargs="+", choices=list(VARIANTS), default=["small", "large"])
+    parser.add_argument("--compile-variants", nargs="+", choices=list(EVA_FORMS), default=["small", "large"])
     parser.add_argument("--compile-sizes", nargs="+", type=int, default=[224])
     parser.add_argument("--compile-mode", default="default", help="torch.compile mode, the same for all models")
     parser.add_argument(

@@ -15,9 +15,9 @@ call alone is timed. Memory is the increase of the process's `RssAnon` (private 
 before the call, sampled every 20 ms; `RssFile` (mapped file pages, reclaimable) is reported beside it.
 Medians over the rounds.
 
-    python benchmarks/load.py --workdir DIR --rounds 3            # (a); needs 3.5 GB disk, ~8 GB memory
-    python benchmarks/load.py --workdir DIR --only 7b              # (b); needs ~18 GiB of free memory
-    python benchmarks/load.py --workdir DIR --only 7b --depth-7b 8 # (b) on 8 of the 7B's 40 blocks
+    python -m benchmarks.load --workdir DIR --rounds 3            # (a); needs 3.5 GB disk, ~8 GB memory
+    python -m benchmarks.load --workdir DIR --only 7b              # (b); needs ~18 GiB of free memory
+    python -m benchmarks.load --workdir DIR --only 7b --depth-7b 8 # (b) on 8 of the 7B's 40 blocks
 
 Files are deleted at the end.
 """

@@ -1,8 +1,8 @@
 """Mixed aspect ratios: one batch through the NaFlex path against the other ways to run it, in one run.
 
-    python benchmarks/naflex.py                                  # CPU fp32, ViT-S/16, 64 images
-    python benchmarks/naflex.py --threads 1 --clock process      # a shared CPU
-    python benchmarks/naflex.py --device cuda --dtype bfloat16   # or benchmarks/gpu.py's naflex section
+    python -m benchmarks.naflex                                  # CPU fp32, ViT-S/16, 64 images
+    python -m benchmarks.naflex --threads 1 --clock process      # a shared CPU
+    python -m benchmarks.naflex --device cuda --dtype bfloat16   # or benchmarks/gpu.py's naflex section
 
 The images: --batch of them, six aspect ratios (1:1, 3:4, 4:3, 1:2, 2:1, 9:16) at about the same pixel
 count (192 to 200 patches of 16 px, 224 px square's 196). Each way takes turns within each round, the
@@ -28,7 +28,12 @@ from collections.abc import Callable
 import timm
 import torch
 import torch.nn.functional as F
-from common import (
+from timm.data.naflex_dataset import NaFlexCollator
+from timm.data.naflex_transforms import patchify_image
+from timm.models.naflexvit import checkpoint_filter_fn as naflex_filter
+from torch import nn
+
+from .common import (
     EVA,
     OURS,
     SHAPES,
@@ -42,10 +47,6 @@ from common import (
     ratio_stats,
     round_robin,
 )
-from timm.data.naflex_dataset import NaFlexCollator
-from timm.data.naflex_transforms import patchify_image
-from timm.models.naflexvit import checkpoint_filter_fn as naflex_filter
-from torch import nn
 
 # (height, width) in patches: 1:1, 3:4, 4:3, 1:2, 2:1, 9:16, each about 196 patches.
 GRIDS = [(14, 14), (12, 16), (16, 12), (10, 20), (20, 10), (11, 18)]

@@ -1,6 +1,6 @@
 """What registering the variants on `import timm` costs: at interpreter start, and at timm's import.
 
-    python benchmarks/startup.py [--rounds 20]
+    python -m benchmarks.startup [--rounds 20]
 
 Every figure comes from fresh interpreters of this environment, the switch on and off in turn, and is a median:
 

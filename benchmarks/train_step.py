@@ -1,6 +1,6 @@
 """Training step speed (forward, backward, AdamW) against timm eva, and DINOv3's sample drop against DropPath.
 
-    python benchmarks/train_step.py                   # CPU fp32, ViT-S/16, batch 16, 224 px
+    python -m benchmarks.train_step                   # CPU fp32, ViT-S/16, batch 16, 224 px
 
 Two tables, each from round-robin rounds with medians of per-round ratios and their quartiles:
 1. ours against eva, both with the same weights and no stochastic depth;
@@ -15,7 +15,9 @@ import argparse
 
 import timm
 import torch
-from common import (
+from torch import nn
+
+from .common import (
     EVA,
     OURS,
     add_machine_args,
@@ -29,7 +31,6 @@ from common import (
     ratio_stats,
     round_robin,
 )
-from torch import nn
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor):
