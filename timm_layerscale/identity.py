@@ -167,12 +167,14 @@ class _Weights:
     fuse: bool
 
 
-def _config(variant: Variant, tag: str | None, weights: _Weights, overrides: Mapping[str, Any]) -> VitLsConfig:
+def _config(
+    variant: Variant, tag: str | None, weights: _Weights, overrides: Mapping[str, Any], source: str = ""
+) -> VitLsConfig:
     base = {**variant.model_args, **variant.tag_model_args(tag)}
     args = {**base, **key_args(weights.native, base, weights.unheld), **overrides}
     if weights.fuse:  # every gamma folds: the model has LayerScale off
         args["init_values"] = 0
-    return VitLsConfig.from_dict(args, source=f"the args of {variant.name}")
+    return VitLsConfig.from_dict(args, source=source or f"the args of {variant.name}")
 
 
 def _nearest(variants: Mapping[str, Variant], tag: str | None, weights: _Weights, asked: Mapping[str, Any]) -> str:
@@ -182,7 +184,7 @@ def _nearest(variants: Mapping[str, Variant], tag: str | None, weights: _Weights
     distances, refusals = {}, []
     for name, variant in variants.items():
         try:
-            config = _config(variant, tag, weights, asked)
+            config = _config(variant, tag, weights, asked, source="the model args")
         except ValueError as exc:
             refusals.append(exc)
             continue

@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from timm_ls.checks import names_a_path
 from timm_ls.main import main
@@ -122,3 +124,13 @@ def test_a_bare_word_is_left_to_the_command_as_a_model_name(capsys):
 def test_names_with_a_tag_are_not_paths():
     assert not names_a_path("vit_ls_small_patch16_dinov3.lvd1689m")
     assert names_a_path("model.safetensors") and names_a_path("ckpt/12499") and names_a_path("x.YAML")
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "vit_ls_small_patch16_dinov3"]], ids=["inferred", "given"])
+def test_a_bad_model_kwargs_value_is_named_by_what_is_allowed(model, tmp_path, capsys):
+    save_file(
+        {"cls_token": torch.zeros(1, 1, 384), "storage_tokens": torch.zeros(1, 4, 384)}, tmp_path / "s.safetensors"
+    )
+    args = ["convert", str(tmp_path / "s.safetensors"), str(tmp_path / "out"), "--to", "native", *model]
+    assert main([*args, "--model-kwargs", "depth=abc"]) == 2
+    assert "depth: got 'abc'; allowed: a positive integer" in capsys.readouterr().err

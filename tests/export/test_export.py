@@ -516,3 +516,19 @@ def test_a_failed_rename_puts_the_old_pair_back(tmp_path, monkeypatch):
         export_onnx(tiny(seed=1), tmp_path / "m.onnx", external_data=True, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["m.onnx", "m.onnx.data", "native"]
     assert {name: (tmp_path / name).read_bytes() for name in old} == old
+
+
+@torch.no_grad()
+def test_a_checkpoints_first_blocks_export_with_depth(tmp_path):
+    """`--model-kwargs depth=N` on a checkpoint: its first N blocks, checked against PyTorch, as a name's would be."""
+    model = tiny(depth=3)
+    save_native(model, tmp_path / "native")
+    result = export_onnx(
+        tmp_path / "native", tmp_path / "m.onnx", model_kwargs={"depth": 1}, check=True, check_sizes=SIZES[:1]
+    )
+    assert json.loads(metadata(tmp_path / "m.onnx")["model_args"])["depth"] == 1 and result.check
+    first = timm.create_model(VARIANT["mlp"], **{**TINY, "depth": 1}).eval()
+    first.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith(("blocks.1.", "blocks.2."))})
+    x = images(1, 32, 48)
+    assert relative(session(tmp_path / "m.onnx").run(None, {"pixel_values": x.numpy()})[0], first(x)) < 1e-4
+    assert relative(session(tmp_path / "m.onnx").run(None, {"pixel_values": x.numpy()})[0], model(x)) > 1e-2
