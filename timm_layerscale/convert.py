@@ -22,13 +22,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from timm_ls.destinations import destination_problem
-from timm_ls.names import CAST_DTYPES, FILE_OR_FOLDER, KEEP, WEIGHTS_SETS
+from timm_ls.names import CAST_DTYPES, KEEP, WEIGHTS_SETS
 
 from .checkpoints.dtypes import cast_dtype
 from .checkpoints.errors import CheckpointError
 from .checkpoints.fit import Fitted, fit_to_model
-from .checkpoints.formats import FORMATS, Export, Format, Job, get_format, recognise, source_config
+from .checkpoints.formats import Export, Format, Job, recognise, requested, source_config
 from .checkpoints.plan import PERIODS, Plan, cast_plan, dominant_dtype
 from .checkpoints.reader import LazyCheckpoint, open_checkpoint
 from .checkpoints.writers import atomic_destination
@@ -119,8 +118,7 @@ def convert_checkpoint(
     `dino_head.*`, `ibot_head.*`, the source's heads carried or new ones made as Meta's DINOHead makes them.
     """
     start = time.perf_counter()
-    request = _checked_request(Path(dst), to, dtype, weights, options)
-    _check_destination(request, overwrite)
+    request = _checked_request(Path(dst), to, dtype, weights, options, overwrite)
     with _opened(src, weights, heads=request.target.reads_heads) as ckpt:
         _refuse_to_replace_source(ckpt, request.dst)
         planned = _plan(ckpt, request, model, model_kwargs, fuse_layerscale, max_shard_size)
@@ -179,7 +177,8 @@ def plan_conversion(
     """What `convert_checkpoint(ckpt, dst, ...)` would write, planned from shapes and nothing written:
     `.export.tensors.infos` holds every key, shape and dtype of the target (a dry run; the destination is
     not checked). Reads only what a conversion reads ahead (q/k/v biases, RoPE periods, gammas)."""
-    request = _checked_request(Path(dst), to, dtype, ckpt.weights if ckpt.weights in WEIGHTS_SETS else "auto", options)
+    weights = ckpt.weights if ckpt.weights in WEIGHTS_SETS else "auto"
+    request = _checked_request(Path(dst), to, dtype, weights, options, overwrite=None)
     return _plan(ckpt, request, model, model_kwargs, fuse_layerscale, "5GB")
 
 
@@ -199,39 +198,18 @@ def _plan(
     return Planned(source, identity, fitted, export)
 
 
-def _checked_request(dst: Path, to: str, dtype: str | None, weights: str, options: Mapping[str, Any]) -> _Request:
-    """The format, dtype, weights set and options, once each is known good."""
-    target = get_format(to)
+def _checked_request(
+    dst: Path, to: str, dtype: str | None, weights: str, options: Mapping[str, Any], overwrite: bool | None
+) -> _Request:
+    """The format with its options, the dtype and weights set, once each is known good, and the destination
+    when `overwrite` is given (a plan alone writes nothing)."""
+    if weights not in WEIGHTS_SETS:
+        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS_SETS)}")
+    target, checked = requested(to, options, dst if overwrite is not None else None, bool(overwrite))
     dtype = dtype or target.default_dtype
     if dtype not in (KEEP, *CAST_DTYPES):
         raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join((KEEP, *CAST_DTYPES))}")
-    if weights not in WEIGHTS_SETS:
-        raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS_SETS)}")
-    unknown = [name for name, value in options.items() if name not in target.takes and value]
-    if unknown:
-        takers = [f.name for f in _formats_taking(unknown[0])]
-        raise CheckpointError(f"{unknown[0]} is an option of {' and '.join(takers) or 'no format'}, not of {to}")
-    checked = target.check_options({**target.takes, **{k: v for k, v in options.items() if k in target.takes}})
     return _Request(target, dst, None if dtype == KEEP else cast_dtype(dtype), weights, checked)
-
-
-def _check_destination(request: _Request, overwrite: bool) -> None:
-    target, dst = request.target, request.dst
-    problem = destination_problem(
-        dst,
-        folder=target.writes_folder(dst),
-        what=f"--to {target.name}",
-        overwrite=overwrite,
-        overwrite_hint="--overwrite (overwrite=True)",
-        suffixes=target.spec.suffixes,
-        or_folder=target.spec.writes == FILE_OR_FOLDER,
-    )
-    if problem:
-        raise CheckpointError(problem)
-
-
-def _formats_taking(option: str) -> list[Format]:
-    return [fmt for fmt in FORMATS.values() if option in fmt.takes]
 
 
 def _planned(

@@ -269,12 +269,12 @@ def test_a_native_folder_to_meta_summary_counts_its_model_arguments_and_json_lis
     native = files / "out-native"  # with its config.json: every model argument, named there
     assert main(["convert", str(native), str(files / "short.pth"), "--to", "meta"]) == 0
     summary = capsys.readouterr().out.splitlines()[-1]
-    assert "vit_ls_small_patch16_dinov3 (from the shapes and config.json, with 36 model arguments)" in summary
+    assert "vit_ls_small_patch16_dinov3 (from the shapes and config.json, with 37 model arguments)" in summary
     assert len(summary) - len(str(native)) - len(str(files / "short.pth")) <= 200, summary
     assert main(["convert", str(native), str(files / "short.safetensors"), "--to", "meta", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["keys"] == "Meta DINOv3 keys" and result["layout"] == "meta" and result["target"] == "meta"
-    assert result["model_args"]["embed_dim"] == TINY["embed_dim"] and len(result["model_args"]) == 36
+    assert result["model_args"]["embed_dim"] == TINY["embed_dim"] and len(result["model_args"]) == 39
     assert result["summary"].startswith(f"converted {native} (Hub folder, Meta DINOv3 keys, weights: ")
     assert result["destination"] == str(files / "short.safetensors") and (files / "short.safetensors").is_file()
 

@@ -7,29 +7,28 @@ import json
 import sys
 from dataclasses import asdict
 
-from ..checkpoints import get_format
-from ..checkpoints.reader import open_checkpoint
 from ..convert import convert_checkpoint
 from .common import parse_model_kwargs
 
 
 def execute(args: argparse.Namespace) -> int:
-    target = get_format(args.to)  # the arguments were checked before this module loaded (timm_ls.checks)
-    with open_checkpoint(args.src, args.weights, heads=target.reads_heads) as source:
-        result = convert_checkpoint(
-            source,
-            args.dst,
-            to=args.to,
-            model=args.model,
-            model_kwargs=parse_model_kwargs(args.model_kwargs),
-            dtype=args.dtype,
-            fuse_layerscale=args.fuse_layerscale,
-            overwrite=args.overwrite,
-            strict=args.strict,
-            meta_config=args.meta_config,
-            seed=args.seed,
-            distill_teacher=args.distill_teacher,
-        )
+    """The arguments were checked before this module loaded (timm_ls.checks)."""
+    model_kwargs = parse_model_kwargs(args.model_kwargs)
+    result = convert_checkpoint(
+        args.src,
+        args.dst,
+        to=args.to,
+        model=args.model,
+        model_kwargs=model_kwargs,
+        dtype=args.dtype,
+        weights=args.weights,
+        fuse_layerscale=args.fuse_layerscale,
+        overwrite=args.overwrite,
+        strict=args.strict,
+        meta_config=args.meta_config,
+        seed=args.seed,
+        distill_teacher=args.distill_teacher,
+    )
     for warning in result.warnings:
         print(f"timm-ls: warning: {warning}", file=sys.stderr)
     if args.json:

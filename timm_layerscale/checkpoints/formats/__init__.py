@@ -15,6 +15,7 @@ and loading find it by name or by recognition.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "get_format",
     "recognise",
     "register_format",
+    "requested",
     "source_config",
 ]
 
@@ -65,6 +67,21 @@ def get_format(name: str) -> Format:
     if fmt is None:
         raise CheckpointError(f"unknown target {name!r}; pass --to one of {', '.join(FORMATS)}")
     return fmt
+
+
+def requested(
+    name: str, options: Mapping[str, Any], dst: Path | None = None, overwrite: bool = False
+) -> tuple[Format, dict[str, Any]]:
+    """The format `name` with its own options checked (and parsed), and, given `dst`, the destination it is to
+    write checked by the one rule; an option no format of that name takes is one line naming who takes it."""
+    fmt = get_format(name)
+    unknown = [option for option, value in options.items() if option not in fmt.takes and value]
+    if unknown:
+        takers = [f.name for f in FORMATS.values() if unknown[0] in f.takes]
+        raise CheckpointError(f"{unknown[0]} is an option of {' and '.join(takers) or 'no format'}, not of {name}")
+    if dst is not None:
+        fmt.check_destination(dst, overwrite)
+    return fmt, fmt.check_options({**fmt.takes, **{k: v for k, v in options.items() if k in fmt.takes}})
 
 
 def recognise(source: Mapping[str, torch.Tensor]) -> Format:

@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 
-from timm_ls.names import FormatSpec
+from timm_ls.destinations import destination_problem
+from timm_ls.names import FILE_OR_FOLDER, FormatSpec
 
 from ...config import VitLsConfig
 from ...layers import swiglu_hidden_features
+from ..errors import CheckpointError
 from ..gamma_keys import native_gamma_key
 from ..keys import KeyTable
 from ..plan import PERIODS, Plan, Step, passthrough
@@ -104,6 +106,20 @@ class Format:
 
     def writes_folder(self, dst: Path) -> bool:
         return self.spec.writes_folder(dst.name)
+
+    def check_destination(self, dst: Path, overwrite: bool) -> None:
+        """The one destination rule (`timm_ls.destinations`) for what this format writes at `dst`."""
+        problem = destination_problem(
+            dst,
+            folder=self.writes_folder(dst),
+            what=f"--to {self.name}",
+            overwrite=overwrite,
+            overwrite_hint="--overwrite (overwrite=True)",
+            suffixes=self.spec.suffixes,
+            or_folder=self.spec.writes == FILE_OR_FOLDER,
+        )
+        if problem:
+            raise CheckpointError(problem)
 
     def __repr__(self) -> str:
         return f"<format {self.name}>"
