@@ -715,3 +715,38 @@ def test_a_saved_model_never_passes_its_training_switches_on(tmp_path):
     again = timm.create_model(f"local-dir:{tmp_path / 'tuned'}", pretrained=True)
     assert torch.equal(again.blocks[1].ls2.gamma, model.blocks[1].ls2.gamma)
     assert again.blocks[1].ls2.gamma.requires_grad
+
+
+# ------------------------------------------------------------------------- what a config beside the weights says
+
+
+def test_a_folders_data_config_travels_with_its_weights(tmp_path):
+    """The pretrained cfg in a folder's config.json (mean, std, licence) is what the converted folder carries."""
+    save_native(ours(), tmp_path / "native")
+    config = json.loads((tmp_path / "native" / "config.json").read_text())
+    config["pretrained_cfg"].update(mean=[0.43, 0.411, 0.296], std=[0.213, 0.156, 0.143], license="my-licence")
+    (tmp_path / "native" / "config.json").write_text(json.dumps(config))
+    convert_checkpoint(tmp_path / "native", tmp_path / "eva", to="timm")
+    written = json.loads((tmp_path / "eva" / "config.json").read_text())["pretrained_cfg"]
+    assert written["mean"] == [0.43, 0.411, 0.296] and written["license"] == "my-licence"
+
+
+@torch.no_grad()
+def test_transformers_rope_theta_is_read_and_written(tmp_path, images):
+    transformers_reference().save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "rope_theta": 50.0}))
+    model = DINOv3ViTModel.from_pretrained(tmp_path / "hf").eval()  # its RoPE from the config's base
+    result = convert_checkpoint(tmp_path / "hf", tmp_path / "native", to="native")
+    assert result.model_args["rope_base"] == 50.0
+    convert_checkpoint(tmp_path / "native", tmp_path / "back", to="hf")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rope_theta"] == 50.0
+    expected = model(pixel_values=images).last_hidden_state
+    assert_fp32_close(tokens_from("native", tmp_path / "native", "mlp")(images), expected)
+
+
+def test_an_option_of_another_format_is_named_with_its_format(tmp_path):
+    src, _ = make_source("meta", tmp_path)
+    with pytest.raises(CheckpointError, match=r"^distill_teacher is an option of meta-train, not of native$"):
+        convert(src, tmp_path / "out", "native", distill_teacher=True)
+    assert not (tmp_path / "out").exists()

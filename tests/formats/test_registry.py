@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from support import TINY, VARIANT, assert_fp32_close, move_off_init_
 
 from timm_layerscale import FORMATS, CheckpointError, Format, convert_checkpoint, register_format
+from timm_layerscale.checkpoints.formats import recognise
 from timm_layerscale.checkpoints.formats.base import Export, Job, losses
 from timm_layerscale.checkpoints.formats.meta import NATIVE_KEYS
 from timm_layerscale.checkpoints.keys import KeyTable, row
@@ -97,3 +98,28 @@ def test_an_unregistered_format_is_named_as_unknown(tmp_path):
 def test_register_format_takes_formats_only():
     with pytest.raises(TypeError, match="register_format takes a Format"):
         register_format("flat")
+
+
+class Marked(Flat):
+    """Native keys with one more: recognised by the shipped meta format too, so only the order decides."""
+
+    spec = FormatSpec("marked", "a made-up format: native keys and a marker", FILE, (".marked",))
+    title = "made-up marked keys"
+
+    def recognise(self, keys: Sequence[str]) -> bool:
+        return "marker" in keys
+
+
+def test_a_format_registered_later_is_asked_before_the_shipped_ones():
+    fmt = register_format(Marked())
+    try:
+        keys = {"storage_tokens": torch.zeros(1, 4, 8), "blocks.0.ls1.gamma": torch.zeros(8), "marker": torch.zeros(1)}
+        assert recognise(keys) is fmt
+        assert recognise({k: v for k, v in keys.items() if k != "marker"}).name == "meta"
+    finally:
+        del FORMATS[fmt.name]
+
+
+def test_transformers_blocks_are_recognised_as_transformers_5_names_them_in_memory():
+    keys = {"model.layer.0.norm1.weight": torch.zeros(8), "model.layer.0.attention.q_proj.weight": torch.zeros(8, 8)}
+    assert recognise(keys).name == "hf"
