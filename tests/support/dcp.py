@@ -16,6 +16,14 @@ from pathlib import Path
 import timm
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from support import SUPPORT, TINY, free_port, move_off_init_
 
@@ -151,6 +159,25 @@ def run_commands(cases: dict[str, Path], root: Path, convert: list[str] = CONVER
     run = subprocess.run([sys.executable, str(worker), str(plan), str(root / "results.json")], timeout=600)
     assert run.returncode == 0, f"the worker died ({run.returncode}): a case crashed the interpreter"
     return json.loads((root / "results.json").read_text())
+
+
+def laid_out(folder: Path, tensors: dict[str, tuple[list[int], list[tuple[list[int], list[int]]]]]) -> Path:
+    """A DCP folder of float32 tensors `{key: (size, [(offsets, sizes) of each chunk])}` as DCP describes them,
+    each chunk stored in the bytes its elements take, one after another in `__0_0.distcp` (a sparse file of
+    zeros: the metadata is what is checked); returns the folder."""
+    items, storage, end = {}, {}, 0
+    for key, (size, chunks) in tensors.items():
+        listed = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks]
+        items[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), listed)
+        for chunk in listed:
+            length = 4 * chunk.sizes.numel()
+            storage[MetadataIndex(key, chunk.offsets)] = _StorageInfo("__0_0.distcp", end, length)
+            end += length
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(items, storage_data=storage)))
+    with (folder / "__0_0.distcp").open("wb") as f:
+        f.truncate(end)
+    return folder
 
 
 def stored_items(metadata) -> list[tuple[str, str, int, int]]:

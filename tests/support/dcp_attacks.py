@@ -4,7 +4,8 @@
 the imports a first read does are done before anything is compared), `convert` (the arguments after
 `convert SRC DST`) and `out` (a folder for the outputs). For each case RESULTS holds both commands' exit
 codes and output, every attribute of pathlib, torch and the classes and functions the metadata unpickler
-allows that the case added, removed or replaced, and the modules it imported; `paths_work` says whether
+allows that the case added, removed or replaced, the modules it imported and whether convert wrote its
+output; `paths_work` says whether
 pathlib still gives a fresh path's name and parent.
 """
 
@@ -81,6 +82,7 @@ def main_() -> None:
             "inspect": inspect,
             "changed": changes(before, attributes()),
             "imported": sorted(set(sys.modules) - modules),
+            "written": pathlib.Path(dst).exists(),
             "paths_work": paths_work(),
         }
     pathlib.Path(sys.argv[2]).write_text(json.dumps(results))

@@ -216,8 +216,10 @@ def _check_item(key: Any, item: Any, storage: dict, limits: Limits, work: Work, 
     size, chunks = _field(item, "size"), _field(item, "chunks")
     if not _size(size, limits):
         raise _Corrupt(f"gives {key} the size {shown(size)}, not a torch.Size of non-negative ints")
-    if type(chunks) is not list or id(chunks) in chunks_seen:
-        raise _Corrupt(f"gives {key} as its chunks {shown(chunks)}, not a list of its own")
+    if type(chunks) is not list:
+        raise _Corrupt(f"gives {key} as its chunks {shown(chunks)}, not a list")
+    if id(chunks) in chunks_seen:  # DCP never shares; shared, N tensors could list N chunks each in a file of N
+        raise _Corrupt(f"gives {key} the list of chunks of another tensor")
     chunks_seen.add(id(chunks))
     work.chunks += len(chunks)
     if len(chunks) > limits.chunks_per_tensor or work.chunks > limits.chunks:
@@ -245,8 +247,10 @@ def _check_properties(key: str, properties: Any) -> torch.dtype:
 def _check_chunk(key: str, chunk: Any, size: torch.Size, limits: Limits, chunks_seen: set[int]) -> None:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    if type(chunk) is not ChunkStorageMetadata or id(chunk) in chunks_seen:
-        raise _Corrupt(f"gives {key} the chunk {shown(chunk)}, not a chunk of its own")
+    if type(chunk) is not ChunkStorageMetadata:
+        raise _Corrupt(f"gives {key} the chunk {shown(chunk)}, not a ChunkStorageMetadata")
+    if id(chunk) in chunks_seen:
+        raise _Corrupt(f"gives {key} a chunk that another tensor or place lists too")
     chunks_seen.add(id(chunk))
     offsets, sizes = _field(chunk, "offsets"), _field(chunk, "sizes")
     if not _size(offsets, limits, len(size)) or not _size(sizes, limits, len(size)):
