@@ -150,7 +150,7 @@ def run_commands(cases: dict[str, Path], root: Path, convert: list[str] = CONVER
     """`timm-ls convert` (to `--to meta` with `convert`) and `timm-ls inspect` on each folder of `cases`, all in
     one separate process (dcp_attacks.py), valid folders first: each case's exit codes and output, what it
     changed in pathlib, torch and the unpickler's allowed objects, and the modules it imported."""
-    (root / "out").mkdir()
+    (root / "out").mkdir(parents=True)
     plan = root / "plan.json"
     plan.write_text(
         json.dumps({"cases": {k: str(v) for k, v in cases.items()}, "convert": convert, "out": str(root / "out")})

@@ -53,9 +53,10 @@ def read_metadata(folder: Path, limits: Limits = LIMITS, work: Work | None = Non
     except Refused as exc:
         raise CheckpointError(f"refused to read {path}: it {exc}; use a checkpoint you trust") from exc
     except Exception as exc:  # any unpickling failure: truncated, corrupt, another pickle
+        detail = type(exc).__name__ + (f": {reason(exc)}" if str(exc) else "")
         raise CheckpointError(
-            f"{path} is not readable distributed checkpoint metadata ({type(exc).__name__}: {reason(exc)}); the "
-            f"checkpoint is truncated or corrupt: copy the whole folder again"
+            f"{path} is not readable distributed checkpoint metadata ({detail}); the checkpoint is truncated or "
+            f"corrupt: copy the whole folder again"
         ) from exc
     check_metadata(metadata, folder, limits, work)
     return metadata
