@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.dcp import METADATA, SIZE, build, call, dct, glob, integer, laid_out, new, text, tup, with_metadata
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from timm_layerscale.checkpoints import CheckpointError
 from timm_layerscale.checkpoints.dcp import read_metadata
@@ -94,7 +95,7 @@ def test_a_real_folder_needs_exactly_this_much(meta_run):
             "does not cover all of t [4, 4] with stored chunks, each element once",
         ),
         ({"t": ([64], [([0], [32])])}, "does not cover all of t [64] with stored chunks, each element once"),
-        ({"t": ([4], [([2], [4])])}, "gives t [4] a chunk at [2] of [4], outside it"),
+        ({"t": ([4], [([1], [4])])}, "gives t [4] a chunk at [1] of [4], outside it"),
         ({"t": ([4, 4], [([0], [4])])}, "gives t [4, 4] a chunk at torch.Size([0]) of torch.Size([4])"),
         ({"t": ([], [([], []), ([], [])])}, "does not cover all of t [] with stored chunks, each element once"),
     ],
@@ -108,6 +109,8 @@ def test_chunks_cover_their_tensor_exactly_once(tmp_path, tensors, what):
 def test_chunk_counts_and_overlap_checks_are_bounded(tmp_path):
     grid = laid_out(tmp_path / "grid", {"t": ([4, 4], [([r, c], [2, 2]) for r in (0, 2) for c in (0, 2)])})
     assert read(grid).overlap_checks == 2  # the sweep compares each chunk with its row's other only
+    columns = laid_out(tmp_path / "tp", {"t": ([2, 8], [([0, c], [2, 2]) for c in range(0, 8, 2)])})
+    assert read(columns).overlap_checks == 0  # split along dim 1 only: swept along it, nothing to compare
     assert "splits a tensor into 4 chunks too entangled to check" in refused(grid, Limits(overlap_checks_per_chunk=0))
     assert "splits t into 4 chunks, more than any checkpoint" in refused(grid, Limits(chunks_per_tensor=3))
     read(grid, Limits(chunks_per_tensor=4, chunks=4))
@@ -163,6 +166,7 @@ FIELDS = [
     (lambda md: setattr(item(md), "size", torch.Size([2**61])), "gives t the size torch.Size([2305843009213693952])"),
     (lambda md: setattr(item(md), "size", torch.Size([1] * 65)), "gives t the size torch.Size([1, 1, 1, 1, 1, 1,"),
     (lambda md: setattr(item(md).chunks[0], "sizes", torch.Size([-1])), "gives t [2] a chunk at torch.Size([0]) of"),
+    (lambda md: setattr(item(md).chunks[0], "offsets", torch.Size([-1])), "gives t [2] a chunk at torch.Size([-1]) of"),
     (lambda md: item(md, "u").chunks.append(item(md).chunks[0]), "gives u a chunk that another tensor or place lists"),
     (lambda md: setattr(item(md, "u"), "chunks", item(md).chunks), "gives u the list of chunks of another tensor"),
     (lambda md: setattr(entry(md), "relative_path", ""), "puts t in '', outside the folder"),
@@ -173,7 +177,8 @@ FIELDS = [
     (lambda md: setattr(entry(md), "offset", -1), "puts t at bytes -1 to 8 of __0_0.distcp"),
     (lambda md: setattr(entry(md), "length", 9.0), "puts t at bytes 0 to 9.0 of __0_0.distcp"),
     (lambda md: setattr(entry(md), "length", 17), "puts t at bytes 0 to 17 of __0_0.distcp, which holds 16"),
-    (lambda md: setattr(entry(md, "u"), "offset", 4), "puts u on bytes of __0_0.distcp that also hold t"),
+    (lambda md: setattr(entry(md, "u"), "offset", 7), "puts u on bytes of __0_0.distcp that also hold t"),
+    (lambda md: md.storage_data.pop(MetadataIndex("u", [0])), "does not cover all of u with stored chunks (none is"),
     (
         lambda md: setattr(entry(md), "transform_descriptors", ["stream.zstd/1"]),
         "stores t transformed (['stream.zstd/1'], e.g. compressed), which this reader does not read",
@@ -186,6 +191,11 @@ def test_each_field_is_checked(tmp_path, change, what):
     folder = laid_out(tmp_path / "ckpt", {"t": ([2], [([0], [2])]), "u": ([2], [([0], [2])])})
     message = refused(folder, metadata=changed(folder, change))
     assert message.startswith(f"{folder / '.metadata'} {what}") and message.endswith(CORRUPT), message
+
+
+def test_an_empty_chunk_takes_no_bytes_wherever_it_is_listed(tmp_path):
+    folder = laid_out(tmp_path / "ckpt", {"t": ([2], [([0], [2])]), "u": ([0], [([0], [0])])})
+    check_metadata(changed(folder, lambda md: setattr(entry(md, "u"), "offset", 4)), folder)  # inside t's bytes
 
 
 def test_a_folder_without_a_listed_file(tmp_path):
@@ -235,6 +245,7 @@ UNPICKLED = [
     (pickle.EMPTY_DICT + tup(integer(1)) + pickle.NONE + pickle.SETITEM, "uses a builtins.tuple as a key" + " or set"),
     (pickle.MARK + pickle.BINFLOAT + bytes(8) + pickle.NONE + pickle.DICT, "uses a builtins.float as a key or set"),
     (pickle.MARK + integer(1) + pickle.FROZENSET, "uses a builtins.int as a key or set element"),
+    (pickle.EMPTY_SET + pickle.MARK + text("k") + integer(1) + pickle.ADDITEMS, "uses a builtins.int as a key or set"),
     (pickle.EMPTY_DICT + text("k" * 1025) + pickle.NONE + pickle.SETITEM, "uses a string of 1025 characters as a key"),
     (call(SIZE, tup(*[integer(1)] * 65)), "calls the class torch.Size with ((1, 1, 1, 1, 1, 1, ...),) (pickle REDUCE)"),
     (call(SIZE, tup(integer(2**61))), "calls the class torch.Size with ((2305843009213693952,),) (pickle REDUCE)"),

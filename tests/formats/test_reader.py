@@ -15,7 +15,7 @@ from timm.models import save_for_hf
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale.checkpoints import CheckpointError
-from timm_layerscale.checkpoints.dcp import read_metadata
+from timm_layerscale.checkpoints.dcp import read_metadata, tensor_reader
 from timm_layerscale.checkpoints.reader import TRAINING_STATE, TensorInfo, open_checkpoint
 
 
@@ -284,6 +284,35 @@ def test_dcp_reads_only_the_requested_key(meta_run, tmp_path):
             r"cls_token failed \(Unsupported operand 0\); copy the whole folder again$",
         ):
             ckpt["cls_token"]
+
+
+class Walked(dict):
+    """A dict that counts how often all its keys are gone through."""
+
+    walks = 0
+
+    def keys(self):
+        Walked.walks += 1
+        return super().keys()
+
+    def __iter__(self):
+        Walked.walks += 1
+        return super().__iter__()
+
+    def items(self):
+        Walked.walks += 1
+        return super().items()
+
+
+def test_a_dcp_read_plans_its_own_key_only(meta_run):
+    """Reading one tensor never goes through every key of the checkpoint (which made reading all N take N^2)."""
+    metadata = read_metadata(meta_run["ckpt"])
+    metadata.state_dict_metadata = Walked(metadata.state_dict_metadata)
+    read = tensor_reader(meta_run["ckpt"], metadata)  # lists the tensors once
+    Walked.walks = 0
+    for key in ("model.teacher.backbone.cls_token", "model.model_ema.backbone.blocks.1.ls2.gamma"):
+        read(key)
+    assert Walked.walks == 0
 
 
 def test_a_dcp_folder_without_a_data_file_its_metadata_lists(meta_run, tmp_path):

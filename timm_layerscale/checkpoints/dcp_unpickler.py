@@ -240,14 +240,11 @@ class MetadataUnpickler(pickle._Unpickler):
                 raise _never(f"uses {_named(key)} as a key or set element")
 
     def _is_set_index(self, index: Any) -> bool:
-        made = self._made.get(id(index))
+        # Only BUILD sets fields (once, before the index can be inside anything), and only REDUCE makes a
+        # torch.Size (of ints checked there).
         fqn, offset = vars(index).get("fqn"), getattr(index, "offset", None)
         return (
-            made is not None
-            and made.built is True
-            and type(fqn) is str
-            and len(fqn) <= self.limits.name_length
-            and (offset is None or type(offset) is torch.Size)
+            type(fqn) is str and len(fqn) <= self.limits.name_length and (offset is None or type(offset) is torch.Size)
         )
 
     # ------------------------------------------------------------------------------- containers
