@@ -7,87 +7,57 @@ passes. Each attack is a few opcodes written here by hand, put before, or splice
 `.metadata` of a folder that torch.distributed.checkpoint saved, and run through `timm-ls convert` and
 `timm-ls inspect` in one separate process (tests/support/dcp_attacks.py), which then compares every attribute of
 pathlib, torch and the allowed classes and functions with what they were before.
+
+Then what else a folder may try: pickles that run code, malformed and damaged metadata, bytes items (which DCP
+unpickles freely) and a torch whose DCP reader unpickles tensors freely. The schema's rules and bounds, and
+the crafted files that once crashed or stalled a read, are in test_dcp_schema.py; the fuzzer in
+test_dcp_fuzz.py.
 """
 
 from __future__ import annotations
 
-import json
 import pickle
-import pickletools
 import shutil
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import PureWindowsPath
 
 import pytest
-import timm
 import torch
 import torch.distributed.checkpoint as dcp
-from support import SUPPORT, TINY, Exploit, move_off_init_
+from support import Exploit
+from support.dcp import (
+    CONVERT,
+    LAYOUT,
+    MEM_FORMAT,
+    METADATA,
+    POSIX,
+    SIZE,
+    build,
+    call,
+    dct,
+    glob,
+    integer,
+    lst,
+    new,
+    run_commands,
+    slots,
+    splice,
+    stored_items,
+    text,
+    tup,
+    with_metadata,
+)
 from torch.distributed.checkpoint.api import CheckpointException
 
 from timm_layerscale.checkpoints import CheckpointError
-from timm_layerscale.checkpoints.dcp import _dataclasses, read_metadata, tensors_only_planner
+from timm_layerscale.checkpoints.dcp import read_metadata, tensors_only_planner
+from timm_layerscale.checkpoints.dcp_unpickler import dataclasses_allowed
 from timm_layerscale.checkpoints.reader import open_checkpoint
 
-NAME = "vit_ls_small_patch16_dinov3"
-CONVERT = ["--model", NAME, "--model-kwargs", *(f"{k}={v}" for k, v in TINY.items())]
-METADATA = "torch.distributed.checkpoint.metadata"
-DATACLASSES = [(cls.__module__, cls.__name__) for cls in _dataclasses()]  # each allowed to be built
+DATACLASSES = [(cls.__module__, cls.__name__) for cls in dataclasses_allowed()]  # each allowed to be built
 
-
-# ------------------------------------------------------------------------------------ opcodes by hand
-
-
-def glob(module: str, name: str) -> bytes:
-    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
-
-
-def text(value: str) -> bytes:
-    data = value.encode()
-    return pickle.BINUNICODE + struct.pack("<I", len(data)) + data
-
-
-def integer(value: int) -> bytes:
-    return pickle.BININT + struct.pack("<i", value)
-
-
-def tup(*items: bytes) -> bytes:
-    return pickle.MARK + b"".join(items) + pickle.TUPLE
-
-
-def dct(**items: bytes) -> bytes:
-    pairs = b"".join(text(k) + v for k, v in items.items())
-    return pickle.EMPTY_DICT + (pickle.MARK + pairs + pickle.SETITEMS if items else b"")
-
-
-def lst(*items: bytes) -> bytes:
-    return pickle.EMPTY_LIST + (pickle.MARK + b"".join(items) + pickle.APPENDS if items else b"")
-
-
-def call(func: bytes, *args: bytes) -> bytes:
-    return func + tup(*args) + pickle.REDUCE
-
-
-def new(cls: bytes) -> bytes:
-    return cls + pickle.EMPTY_TUPLE + pickle.NEWOBJ
-
-
-def build(target: bytes, state: bytes) -> bytes:
-    return target + state + pickle.BUILD
-
-
-def slots(**items: bytes) -> bytes:
-    """A (state, slotstate) pair: pickle sets each slotstate item with setattr, on whatever the target is."""
-    return tup(pickle.NONE, dct(**items))
-
-
-SIZE = glob("torch", "Size")
-LAYOUT = glob("torch.serialization", "_get_layout")
-MEM_FORMAT = glob(METADATA, "_MEM_FORMAT_ENCODING")
-POSIX = glob("pathlib", "PurePosixPath")
 MARKED = dict(pwned=integer(1))
 
 # Objects an attack may reach: the allowed classes and functions, and the shared instances they return.
@@ -162,7 +132,7 @@ ATTACKS: dict[str, tuple[bytes, str]] = {
     "SETITEM on a class": (POSIX + text("name") + text("x") + pickle.SETITEM, "sets an item of the class pathlib."),
     "SETITEMS on a function": (
         LAYOUT + pickle.MARK + text("pwned") + integer(1) + pickle.SETITEMS,
-        "sets items of the function timm_layerscale.checkpoints.dcp._layout",
+        "sets items of the function timm_layerscale.checkpoints.dcp_unpickler.layout",
     ),
     "SETITEMS on an instance": (
         new(glob(METADATA, "StorageMeta")) + pickle.MARK + text("pwned") + integer(1) + pickle.SETITEMS,
@@ -191,68 +161,25 @@ ATTACKS: dict[str, tuple[bytes, str]] = {
 PLACES = ("first", "save_id", "requires_grad")
 
 
-def splice(data: bytes, place: str, fragment: bytes) -> bytes:
-    """The real pickle with `fragment` put at `place`; the frame holding it is lengthened to match."""
-    ops = list(pickletools.genops(data))
-    starts = [pos for _, _, pos in ops] + [len(data)]
-    if place == "first":
-        index = 2  # after PROTO and FRAME; the object is popped again
-        replaced, new_bytes = (starts[2], starts[2]), fragment + pickle.POP
-    else:
-        if place == "save_id":
-            key = next(i for i, (op, arg, _) in enumerate(ops) if "UNICODE" in op.name and arg == "save_id")
-            index = next(i for i in range(key + 1, len(ops)) if "UNICODE" in ops[i][0].name)
-        else:
-            index = next(i for i, (op, _, _) in enumerate(ops) if op.name == "NEWFALSE")
-            assert any(arg == "TensorProperties" for _, arg, _ in ops[:index])
-        replaced, new_bytes = (starts[index], starts[index + 1]), fragment
-    out = data[: replaced[0]] + new_bytes + data[replaced[1] :]
-    delta = len(new_bytes) - (replaced[1] - replaced[0])
-    for op, length, pos in ops:
-        if op.name == "FRAME" and pos < replaced[0] < pos + 9 + length:
-            out = out[:pos] + pickle.FRAME + struct.pack("<Q", length + delta) + out[pos + 9 :]
-    return out
-
-
 # ----------------------------------------------------------------------------------------------- folders
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> Path:
-    """A DCP folder as a training loop saves one: a tiny model and the iteration."""
-    folder = tmp_path_factory.mktemp("dcp") / "ckpt"
-    torch.manual_seed(0)
-    model = move_off_init_(timm.create_model(NAME, num_classes=0, **TINY))
-    dcp.save({"model": model.state_dict(), "iteration": 7}, checkpoint_id=folder, no_dist=True)
-    return folder
-
-
-def with_metadata(saved: Path, folder: Path, data: bytes) -> Path:
-    shutil.copytree(saved, folder)
-    (folder / ".metadata").write_bytes(data)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def results(saved, tmp_path_factory) -> dict[str, dict]:
+def results(dcp_folder, tmp_path_factory) -> dict[str, dict]:
     """Each case's exit codes, output and changes, from one process running every case in turn."""
     root = tmp_path_factory.mktemp("attacks")
-    real = (saved / ".metadata").read_bytes()
-    cases = {"valid": str(saved)}
+    real = (dcp_folder / ".metadata").read_bytes()
+    cases = {"valid": dcp_folder}
     for place in PLACES:  # the splice alone keeps the metadata valid
-        cases[f"valid, {place} spliced"] = str(
-            with_metadata(saved, root / f"valid-{place}", splice(real, place, text("x")))
+        cases[f"valid, {place} spliced"] = with_metadata(
+            dcp_folder, root / f"valid-{place}", splice(real, place, text("x"))
         )
     for n, (name, (fragment, _)) in enumerate(ATTACKS.items()):
         for place in PLACES:
-            folder = with_metadata(saved, root / f"{n}-{place}", splice(real, place, fragment))
-            cases[f"{name} at {place}"] = str(folder)
-    (root / "out").mkdir()
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({"cases": cases, "convert": CONVERT, "out": str(root / "out")}))
-    worker = SUPPORT / "dcp_attacks.py"
-    subprocess.run([sys.executable, str(worker), str(plan), str(root / "results.json")], check=True, timeout=600)
-    return json.loads((root / "results.json").read_text())
+            cases[f"{name} at {place}"] = with_metadata(
+                dcp_folder, root / f"{n}-{place}", splice(real, place, fragment)
+            )
+    return run_commands(cases, root)
 
 
 # ------------------------------------------------------------------------------------------------- tests
@@ -266,6 +193,7 @@ def test_valid_metadata_still_reads(results, place):
     assert case["inspect"][0] == 0, case["inspect"]
     assert "LayerScale: lsN.gamma in 2 blocks" in case["inspect"][1]
     assert case["changed"] == [] and case["paths_work"]
+    assert place is None or case["imported"] == [], case["imported"]  # the first read imports what reads need
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -279,28 +207,30 @@ def test_attack_is_refused_and_changes_nothing(results, tmp_path_factory, attack
         assert err.startswith("timm-ls: error: refused to read ") and err.count("\n") == 1, err
         assert "/.metadata: it " in err and err.endswith("; use a checkpoint you trust\n"), err
         assert expected in err, err
-    assert case["changed"] == []
+    assert case["changed"] == [] and case["imported"] == [] and not case["written"]
     assert case["paths_work"]
 
 
 def test_refusals_name_what_was_asked(results):
     """Not one catch-all line: each kind of attack says what it tried."""
     err = results["BUILD _get_layout dict at save_id"]["convert"][2]
-    assert "sets the state of the function timm_layerscale.checkpoints.dcp._layout (pickle BUILD), which" in err
+    assert (
+        "sets the state of the function timm_layerscale.checkpoints.dcp_unpickler.layout (pickle BUILD), which" in err
+    )
     err = results["BUILD a memory format member slots at first"]["inspect"][2]
     assert "sets the state of a torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING (pickle BUILD)" in err
     assert "never does (nothing was changed)" in err
 
 
 @pytest.mark.parametrize("command", ["convert", "inspect"])
-def test_the_command_exits_2_with_one_line(saved, tmp_path, command):
+def test_the_command_exits_2_with_one_line(dcp_folder, tmp_path, command):
     """The realistic attack in its own interpreter: pathlib bent so that a data file outside the folder passes."""
-    real = (saved / ".metadata").read_bytes()
+    real = (dcp_folder / ".metadata").read_bytes()
     bent = splice(real, "save_id", build(POSIX, slots(name=text("../xy.distcp"))))
     assert bent.count(b"\x8c\x0c__0_0.distcp") == 1  # the data file's one name; later items refer back to it
-    bent = bent.replace(b"\x8c\x0c__0_0.distcp", b"\x8c\x0c../xy.distcp")  # the same length: frames stay
-    folder = with_metadata(saved, tmp_path / "ckpt", bent)
-    shutil.copy(saved / "__0_0.distcp", tmp_path / "xy.distcp")
+    bent = bent.replace(b"\x8c\x0c__0_0.distcp", b"\x8c\x0c../xy.distcp")
+    folder = with_metadata(dcp_folder, tmp_path / "ckpt", bent)
+    shutil.copy(dcp_folder / "__0_0.distcp", tmp_path / "xy.distcp")
     args = [folder, tmp_path / "out.pth", "--to", "meta", *CONVERT] if command == "convert" else [folder]
     run = subprocess.run([sys.executable, "-m", "timm_ls", command, *map(str, args)], capture_output=True, text=True)
     assert (run.returncode, run.stdout) == (2, "")
@@ -315,9 +245,9 @@ def test_the_command_exits_2_with_one_line(saved, tmp_path, command):
 # -------------------------------------------------------------------------------- what else is refused
 
 
-def test_an_instance_needs_its_fields(saved, tmp_path):
+def test_an_instance_needs_its_fields(dcp_folder, tmp_path):
     data = b"\x80\x02" + build(new(glob(METADATA, "Metadata")), dct()) + pickle.STOP
-    folder = with_metadata(saved, tmp_path / "ckpt", data)
+    folder = with_metadata(dcp_folder, tmp_path / "ckpt", data)
     with pytest.raises(
         CheckpointError, match=r"metadata \(UnpicklingError: a Metadata without its fields state_dict_metadata\)"
     ):
@@ -331,16 +261,31 @@ def test_an_instance_needs_its_fields(saved, tmp_path):
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda md, key: setattr(md.state_dict_metadata[key], "properties", None), "gives {key} no valid dtype"),
-        (lambda md, key: setattr(md.state_dict_metadata[key].properties, "dtype", "f32"), "gives {key} no valid"),
-        (lambda md, key: setattr(md.state_dict_metadata[key], "size", [2, 3]), "gives {key} no valid dtype"),
-        (lambda md, key: setattr(md.state_dict_metadata[key], "chunks", ()), "gives {key} no valid dtype"),
-        (lambda md, key: md.state_dict_metadata[key].chunks.append(None), "gives {key} no valid dtype"),
+        (lambda md, key: setattr(md.state_dict_metadata[key], "properties", None), "gives {key} the properties None"),
+        (
+            lambda md, key: setattr(md.state_dict_metadata[key].properties, "dtype", "f32"),
+            "gives {key} the dtype 'f32', which is no dtype this package reads",
+        ),
+        (
+            lambda md, key: setattr(md.state_dict_metadata[key], "size", [2, 3]),
+            "gives {key} the size [2, 3], not a torch.Size of non-negative ints",
+        ),
+        (
+            lambda md, key: setattr(md.state_dict_metadata[key], "chunks", ()),
+            "gives {key} as its chunks (), not a list",
+        ),
+        (
+            lambda md, key: md.state_dict_metadata[key].chunks.append(None),
+            "gives {key} the chunk None, not a ChunkStorageMetadata",
+        ),
         (
             lambda md, key: setattr(md.state_dict_metadata[key].chunks[0], "offsets", (0,)),
-            "gives {key} no valid dtype",
+            "gives {key} [1, 1, 64] a chunk at (0,) of torch.Size([1, 1, 64])",
         ),
-        (lambda md, key: setattr(md.state_dict_metadata[key].chunks[0], "sizes", None), "gives {key} no valid"),
+        (
+            lambda md, key: setattr(md.state_dict_metadata[key].chunks[0], "sizes", None),
+            "gives {key} [1, 1, 64] a chunk at torch.Size([0, 0, 0]) of None",
+        ),
         (lambda md, key: md.storage_data.update({key: None}), "lists a stored item as str: NoneType"),
         (
             lambda md, key: md.storage_data.update({key: next(iter(md.storage_data.values()))}),
@@ -352,22 +297,23 @@ def test_an_instance_needs_its_fields(saved, tmp_path):
         ),
     ],
 )
-def test_malformed_items_are_one_line(saved, tmp_path, damage: Callable, message: str):
+def test_malformed_items_are_one_line(dcp_folder, tmp_path, damage: Callable, message: str):
     """Fields of the right names but the wrong kinds: one line, not an AttributeError from deep in DCP."""
-    md = read_metadata(saved)
+    md = read_metadata(dcp_folder)
     key = next(k for k in md.state_dict_metadata if k.endswith("cls_token"))
     damage(md, key)
-    folder = with_metadata(saved, tmp_path / "ckpt", pickle.dumps(md))
+    folder = with_metadata(dcp_folder, tmp_path / "ckpt", pickle.dumps(md))
     with pytest.raises(CheckpointError) as info:
         open_checkpoint(folder)
-    assert message.format(key=key) in str(info.value)
-    assert str(info.value).endswith("the metadata is corrupt: copy the whole folder again")
+    assert str(info.value) == (
+        f"{folder / '.metadata'} {message.format(key=key)}; the metadata is corrupt: copy the whole folder again"
+    )
 
 
-def test_the_planner_refuses_bytes_items(saved, tmp_path):
+def test_the_planner_refuses_bytes_items(dcp_folder, tmp_path):
     """The reader asks DCP for tensor items only, so its planner never meets a bytes item; asked for one
     (DCP unpickles those with weights_only=False), it refuses before anything is unpickled."""
-    folder = shutil.copytree(saved, tmp_path / "ckpt")
+    folder = shutil.copytree(dcp_folder, tmp_path / "ckpt")
     marker = tmp_path / "marker"
     md = read_metadata(folder)
     info = next(s for i, s in md.storage_data.items() if i.fqn == "iteration")
@@ -385,3 +331,111 @@ def test_the_planner_refuses_bytes_items(saved, tmp_path):
     with pytest.raises(BaseException):  # noqa: B017 (DCP's own planner runs the item, whatever then fails)
         dcp.load({"iteration": 0}, checkpoint_id=folder, no_dist=True)
     assert marker.exists()
+
+
+# ------------------------------------------------- what DCP's own reader would run: never requested
+
+
+def test_dcp_never_unpickles_bytes_items(meta_run, tmp_path):
+    """The iteration and optimizer param groups are pickles DCP loads with weights_only=False: never requested."""
+    folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
+    marker = tmp_path / "marker"
+    payload = pickle.dumps(Exploit(marker), protocol=2)
+    bytes_items = [
+        item for item in stored_items(read_metadata(folder)) if not item[0].startswith(("model.", "optimizer.state."))
+    ]
+    assert {item[0] for item in bytes_items} >= {"iteration", "optimizer.param_groups.0.params"}
+    for _, name, offset, length in bytes_items:
+        with (folder / name).open("r+b") as f:
+            f.seek(offset)
+            f.write(payload.ljust(length, b"\0"))
+    for weights in ("auto", "raw"):
+        with open_checkpoint(folder, weights) as ckpt:
+            assert len([ckpt[k] for k in ckpt]) == len(meta_run["teacher"])
+    assert not marker.exists()
+    # The planted items are live: DCP's own loader, asked for the iteration, runs them.
+    with pytest.raises(BaseException, match="magic number"):
+        dcp.load({"iteration": 0}, checkpoint_id=folder, no_dist=True)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        lambda marker: pickle.dumps(Exploit(marker)),
+        lambda marker: pickle.dumps(Exploit(marker), protocol=0),
+        lambda marker: b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.",
+        lambda marker: b"ctorch\nsave\n(I1\nV" + str(marker).encode() + b"\ntR.",
+        lambda marker: b"P" + str(marker).encode() + b"\n.",
+    ],
+    ids=["open", "open-protocol-0", "os.system", "torch.save", "persistent-id"],
+)
+def test_malicious_dcp_metadata_runs_nothing(meta_run, tmp_path, payload):
+    folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
+    marker = tmp_path / "marker"
+    (folder / ".metadata").write_bytes(payload(marker))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(folder)
+    message = str(info.value)
+    assert message.startswith(f"refused to read {folder / '.metadata'}: it asks for ")
+    assert message.endswith("could run code (nothing was run); use a checkpoint you trust")
+    assert not marker.exists()
+
+
+def test_damaged_dcp_metadata(meta_run, tmp_path):
+    folder = shutil.copytree(meta_run["ckpt"], tmp_path / "ckpt")
+    metadata = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").write_bytes(metadata[: len(metadata) // 2])
+    with pytest.raises(CheckpointError, match=r"\.metadata is not readable distributed checkpoint metadata \("):
+        open_checkpoint(folder)
+    (folder / ".metadata").write_bytes(pickle.dumps({"model.cls_token": torch.Size([1])}))
+    with pytest.raises(CheckpointError, match="holds a dict, not distributed checkpoint metadata"):
+        open_checkpoint(folder)
+    (folder / ".metadata").write_bytes(b"ctorch.serialization\n_get_layout\n(Vload\ntR.")
+    with pytest.raises(CheckpointError, match=r"metadata \(UnpicklingError: unknown tensor layout 'load'\)"):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])  # saved on Windows: its path pickles as a Windows path
+    md.storage_meta.checkpoint_id = PureWindowsPath("C:/run/ckpt/199")
+    for windows in (b"PureWindowsPath", b"WindowsPath"):
+        (folder / ".metadata").write_bytes(pickle.dumps(md, protocol=2).replace(b"PureWindowsPath", windows))
+        assert open_checkpoint(folder).weights == "model_ema"
+    md = read_metadata(meta_run["ckpt"])
+    md.storage_data = None
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"\.metadata lists no stored items; the metadata is corrupt"):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    info = next(iter(md.storage_data.values()))
+    info.relative_path = "../../secrets"
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"in '../../secrets', outside the folder"):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    md.state_dict_metadata["model.student.backbone.blocks.0.attn.qkv.weight"].chunks.pop()  # rank 1's half
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(
+        CheckpointError, match=r"not cover all of model\.student\.backbone\.blocks\.0\.attn\.qkv\.weight \[192, 64\]"
+    ):
+        open_checkpoint(folder)
+    md = read_metadata(meta_run["ckpt"])
+    key = "model.student.backbone.blocks.0.attn.qkv.weight"
+    del md.storage_data[next(i for i in md.storage_data if i.fqn == key)]  # a chunk listed, its bytes not
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match=r"not cover all of model\.student\.backbone\.blocks\.0\.attn\.qkv"):
+        open_checkpoint(folder)
+
+
+def test_dcp_tensors_are_not_read_by_a_torch_that_unpickles_them_freely(meta_run, monkeypatch):
+    """Before torch 2.6 DCP's reader loads tensor items with weights_only=False: such a torch reads none."""
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(meta_run["ckpt"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.endswith(
+        "torch 2.5.1 reads with weights_only=False (code in the file would run); "
+        "upgrade torch to 2.6 or newer to read it"
+    )
+    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.6.0"))
+    with open_checkpoint(meta_run["ckpt"]) as ckpt:
+        assert len(ckpt)

@@ -13,7 +13,7 @@ import timm
 import torch
 from safetensors.torch import load_file, save_file
 from support import assert_fp32_close
-from support.hub_server import LocalHub, hub_env
+from support.hub_server import LocalHub, hub_env, point_client_at
 from timm.models.eva import Eva
 
 import timm_layerscale  # noqa: F401  (registers the variants)
@@ -159,3 +159,23 @@ def test_cli_pretrained_asks_the_hub_once(hub_root: tuple[Path, Eva], tmp_path: 
     assert result.returncode == 0, result.stderr
     assert f"weights: Hub {HUB_ID}\n" in result.stdout
     assert through_cli == alone and alone.count("GET") == 1, (through_cli, alone)
+
+
+def test_pretrained_weights_download_into_the_cache_dir_given(hub_root: tuple[Path, Eva], tmp_path: Path, monkeypatch):
+    """`create_model(..., pretrained=True, cache_dir=...)` reaches the Hub download: the weights land there and
+    not in the Hub's own cache."""
+    root, eva = hub_root
+    with LocalHub(root) as hub:
+        point_client_at(hub, tmp_path / "hf_home", monkeypatch)
+        model = timm.create_model(
+            "vit_ls_small_patch16_dinov3.lvd1689m",
+            pretrained=True,
+            cache_dir=tmp_path / "elsewhere",
+            depth=2,
+            rope_periods_bf16=False,
+        )
+    assert f"GET /{HUB_ID}/resolve/main/model.safetensors" in hub.requests
+    repo = "models--" + HUB_ID.replace("/", "--")
+    assert [p.name for p in (tmp_path / "elsewhere" / repo / "snapshots").glob("*/*")] == ["model.safetensors"]
+    assert not (tmp_path / "hf_home" / "hub" / repo).exists()
+    assert torch.equal(model.blocks[0].ls1.gamma, eva.blocks[0].gamma_1)

@@ -23,7 +23,7 @@ from huggingface_hub import constants
 from packaging.version import Version
 from safetensors.torch import save_file
 from support import REPO, TINY, assert_fp32_close, move_off_init_
-from support.hub_server import LocalHub, hub_env
+from support.hub_server import LocalHub, hub_env, point_client_at
 from timm.models import get_pretrained_cfg
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
@@ -86,15 +86,7 @@ def hub_root(tmp_path_factory: pytest.TempPathFactory, reference: DINOv3ViTModel
 def hub(hub_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalHub]:
     """The loopback Hub, with the client's endpoint, cache and token file set as HF_ENDPOINT/HF_HOME set them."""
     with LocalHub(hub_root, gated={OFFICIAL: {TOKEN}, OFFICIAL_7B_SAT: {TOKEN}}) as server:
-        monkeypatch.setattr(constants, "ENDPOINT", server.url)
-        monkeypatch.setattr(
-            constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.url + "/{repo_id}/resolve/{revision}/{filename}"
-        )
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
-        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-            monkeypatch.delenv(name, raising=False)
+        point_client_at(server, tmp_path / "hf_home", monkeypatch)
         yield server
 
 

@@ -280,3 +280,15 @@ def test_sharded_tag_and_hf_hub_folders_through_the_hub(tmp_path):
     assert_fp32_close(out[names[0]], eva.forward_features(x))
     # Another process may split the matmuls over other threads: the weights are equal, the sums nearly.
     assert_fp32_close(out[names[1]], ours.forward_features(x))
+
+
+def test_streamed_parameters_keep_the_models_requires_grad(tmp_path):
+    """Parameters the model makes frozen (LayerScale with freeze_layer_scale, the local-crop CLS norm) stay
+    frozen when pretrained weights stream in, and every other one stays trainable."""
+    save_file(source_model(local_cls_norm=True).state_dict(), tmp_path / "w.safetensors")
+    kwargs = dict(TINY, freeze_layer_scale=True, local_cls_norm=True)
+    expected = {name: p.requires_grad for name, p in timm.create_model(NAME, **kwargs).named_parameters()}
+    assert not expected["blocks.0.ls1.gamma"] and not expected["local_cls_norm.weight"] and expected["cls_token"]
+    model = timm.create_model(NAME, **overlay(tmp_path / "w.safetensors"), **kwargs)
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == expected
+    assert torch.equal(model.blocks[0].ls1.gamma, source_model(local_cls_norm=True).blocks[0].ls1.gamma)

@@ -1,21 +1,14 @@
 """DistributedDataParallel as timm's train.py uses it (no find_unused_parameters): two CPU processes."""
 
-import socket
-
 import pytest
 import timm
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support import free_port
 from torch.nn.parallel import DistributedDataParallel
 
 import timm_layerscale  # noqa: F401
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_two_steps(rank: int, port: int, kwargs: dict, results) -> None:

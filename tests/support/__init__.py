@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -68,6 +69,13 @@ def transformers_reference(ffn: str = "mlp") -> DINOv3ViTModel:
     )
     torch.manual_seed(0)
     return move_off_init_(DINOv3ViTModel(config)).eval()
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,9 +3,10 @@
 `python dcp_attacks.py PLAN.json RESULTS.json`: PLAN holds `cases` ({name: folder}, valid folders first, so
 the imports a first read does are done before anything is compared), `convert` (the arguments after
 `convert SRC DST`) and `out` (a folder for the outputs). For each case RESULTS holds both commands' exit
-codes and output, and every attribute of pathlib, torch and the classes and functions the metadata
-unpickler allows that the case added, removed or replaced; `paths_work` says whether pathlib still gives
-a fresh path's name and parent.
+codes and output, every attribute of pathlib, torch and the classes and functions the metadata unpickler
+allows that the case added, removed or replaced, the modules it imported and whether convert wrote its
+output; `paths_work` says whether
+pathlib still gives a fresh path's name and parent.
 """
 
 import io
@@ -18,7 +19,7 @@ import torch
 import torch.serialization
 from torch.distributed.checkpoint import filesystem, metadata
 
-from timm_layerscale.checkpoints import dcp
+from timm_layerscale.checkpoints import dcp, dcp_unpickler, dtypes
 from timm_ls.main import main
 
 WATCHED = {
@@ -32,11 +33,13 @@ WATCHED = {
     "torch.serialization._get_layout": torch.serialization._get_layout,
     "metadata": metadata,
     "filesystem": filesystem,
-    **{f"metadata.{cls.__name__}": cls for cls in dcp._dataclasses()},
+    **{f"metadata.{cls.__name__}": cls for cls in dcp_unpickler.dataclasses_allowed()},
     "metadata._MEM_FORMAT_ENCODING": metadata._MEM_FORMAT_ENCODING,
     **{f"metadata._MEM_FORMAT_ENCODING.{m.name}": m for m in metadata._MEM_FORMAT_ENCODING},
     "dcp": dcp,
-    "dcp._layout": dcp._layout,
+    "dcp_unpickler": dcp_unpickler,
+    "dcp_unpickler.layout": dcp_unpickler.layout,
+    "dtypes": dtypes,
 }
 
 
@@ -70,7 +73,7 @@ def main_() -> None:
     plan = json.loads(pathlib.Path(sys.argv[1]).read_text())
     results = {}
     for i, (case, folder) in enumerate(plan["cases"].items()):
-        before = attributes()
+        before, modules = attributes(), set(sys.modules)
         dst = str(pathlib.Path(plan["out"]) / f"{i}.pth")
         convert = run(["convert", folder, dst, "--to", "meta", *plan["convert"]])
         inspect = run(["inspect", folder])
@@ -78,6 +81,8 @@ def main_() -> None:
             "convert": convert,
             "inspect": inspect,
             "changed": changes(before, attributes()),
+            "imported": sorted(set(sys.modules) - modules),
+            "written": pathlib.Path(dst).exists(),
             "paths_work": paths_work(),
         }
     pathlib.Path(sys.argv[2]).write_text(json.dumps(results))

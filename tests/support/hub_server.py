@@ -30,7 +30,9 @@ from pathlib import Path
 from types import TracebackType
 from urllib.parse import unquote, urlsplit
 
+import pytest
 import yaml
+from huggingface_hub import constants
 
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
 _CREATE = "/api/repos/create"
@@ -246,3 +248,15 @@ def hub_env(hub: LocalHub, hf_home: Path) -> dict[str, str]:
         HF_HUB_DISABLE_XET="1",
     )
     return env
+
+
+def point_client_at(hub: LocalHub, hf_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's huggingface_hub talking only to ``hub``, its cache and token file under ``hf_home``, as
+    HF_ENDPOINT and HF_HOME set them at import; no token in the environment, online."""
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hf_home / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(hf_home / "token"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
