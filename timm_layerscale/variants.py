@@ -21,6 +21,8 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
+from timm_ls import paths
+
 from .config import VitLsConfig
 from .hub import OFFICIAL_SUFFIX
 from .loading import load_pretrained
@@ -42,8 +44,7 @@ TIMM_RECORDS_MODEL_ARGS = importlib.util.find_spec("timm.models._input") is not 
 
 def config_dir() -> Path:
     """The shipped YAML files: inside the installed package, or at the top of a source checkout."""
-    installed = Path(__file__).with_name("configs")
-    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+    return paths.config_dir()
 
 
 @dataclass(frozen=True)

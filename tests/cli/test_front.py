@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from timm_ls import paths
 from timm_ls.checks import names_a_path
 from timm_ls.main import main
 from timm_ls.parsers import COMMANDS
@@ -17,6 +18,7 @@ from timm_ls.parsers import COMMANDS
 # Runs the front in a fresh interpreter and reports which heavy packages it imported.
 WATCH = """
 import sys
+from timm_ls import paths
 from timm_ls.checks import names_a_path
 from timm_ls.main import main
 try:
@@ -134,3 +136,36 @@ def test_a_bad_model_kwargs_value_is_named_by_what_is_allowed(model, tmp_path, c
     args = ["convert", str(tmp_path / "s.safetensors"), str(tmp_path / "out"), "--to", "native", *model]
     assert main([*args, "--model-kwargs", "depth=abc"]) == 2
     assert "depth: got 'abc'; allowed: a positive integer" in capsys.readouterr().err
+
+
+def test_the_front_finds_the_shipped_files_where_the_package_is_installed():
+    """Without importing the package: its YAML variants, the experiments and the images, installed or checked out."""
+    assert (paths.config_dir() / "vit_ls_small_patch16_dinov3.yaml").is_file()
+    assert (paths.experiments_dir() / "demo.yaml").is_file() and (paths.experiments_dir() / "ablate.yaml").is_file()
+    assert sorted(p.name for p in paths.assets_dir().glob("*.png"))
+    installed = paths.package_dir() / "configs"
+    assert paths.config_dir() == (installed if installed.is_dir() else paths.package_dir().parent / "configs")
+
+
+def test_a_folder_target_given_an_existing_file_is_refused(tmp_path):
+    (tmp_path / "src.pth").write_bytes(b"never read")
+    (tmp_path / "plain").write_bytes(b"mine")
+    run = front("convert", str(tmp_path / "src.pth"), str(tmp_path / "plain"), "--to", "hf", "--overwrite")
+    assert run.returncode == 2 and f"{tmp_path}/plain is a file and --to hf writes a folder" in run.stderr
+    assert (tmp_path / "plain").read_bytes() == b"mine"
+
+
+def test_a_missing_variant_file_is_named_as_one_in_every_command(tmp_path, capsys):
+    for args in (["inspect", str(tmp_path / "v.yaml")], ["export", str(tmp_path / "v.yaml"), str(tmp_path / "m.onnx")]):
+        assert main(args) == 2
+        assert capsys.readouterr().err == f"timm-ls: error: variant file {tmp_path}/v.yaml does not exist; " + (
+            "pass the path of a YAML variant file or a registered name (`timm-ls list`)\n"
+        )
+
+
+def test_an_os_error_of_a_command_is_one_line(tmp_path, capsys):
+    (tmp_path / "script.py").write_text("open('/nonexistent-folder/file')\n")
+    assert main(["run", str(tmp_path / "script.py")]) == 2
+    assert capsys.readouterr().err == (
+        "timm-ls: error: [Errno 2] No such file or directory: '/nonexistent-folder/file'\n"
+    )

@@ -36,6 +36,7 @@ from timm_layerscale import (
     register_variant,
     save_for_hub,
 )
+from timm_layerscale.config import TRAINING_SWITCHES
 from timm_layerscale.variants import VARIANTS, ungated_tag
 
 OFFICIAL = "facebook/dinov3-vits16-pretrain-lvd1689m"
@@ -364,7 +365,8 @@ def test_push_to_hub_then_hf_hub_rebuilds_the_same_model(hub: LocalHub, images) 
     assert sorted(p.name for p in repo.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((repo / "config.json").read_text())
     assert config["architecture"] == SMALL
-    assert set(config["model_args"]) == set(VitLsConfig.field_names())  # every argument, for any timm
+    # every argument, for any timm, but the switches that act once on the model being fine-tuned
+    assert set(config["model_args"]) == set(VitLsConfig.field_names()) - set(TRAINING_SWITCHES)
     assert config["model_args"]["init_values"] == init
     card = (repo / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: timm\n")

@@ -24,6 +24,8 @@ from torch import nn
 from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
+from timm_ls import paths
+
 from ..tools.experiment import Experiment, check, load_experiment
 from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, fmt, gamma_stats
 from ..tools.shapes import Shapes, make_shapes
@@ -31,7 +33,7 @@ from ..tools.trainer import TrainResult, evaluate, train
 from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
 from .gamma_report import draw, plot_target, stats_table
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = paths.assets_dir()
 WHAT_IS_A_GAMMA = (
     "LayerScale multiplies the output of each residual branch (the attention and the MLP of every block) by "
     "gamma, a learned gain per channel that starts tiny, so each block starts close to doing nothing and "

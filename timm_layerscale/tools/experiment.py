@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 
+from timm_ls import paths
+
 from ..config import parse_scalar
-from ..variants import config_dir
 from .shapes import ShapesSpec
 from .trainer import TrainConfig
 
@@ -23,7 +24,7 @@ TOP_LEVEL_KEYS = ("description", "variant", "model", "init_values", "seeds", "da
 
 
 def experiments_dir() -> Path:
-    return config_dir() / "experiments"
+    return paths.experiments_dir()
 
 
 @dataclass(frozen=True)
