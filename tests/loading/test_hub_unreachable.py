@@ -24,7 +24,7 @@ import torch
 from huggingface_hub import constants
 from safetensors.torch import save_file
 from support import move_off_init_
-from support.hub_server import BlackHoleHub, LocalHub, closed_port_url, hub_env
+from support.hub_server import BlackHoleHub, LocalHub, closed_port_url, hub_env, point_client_at
 
 from timm_layerscale import HubError, fetch_hub_weights
 from timm_layerscale.hub import HUB_TIMEOUT_VARIABLE
@@ -134,31 +134,25 @@ def test_inspect_fails_in_one_line(unreachable, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A huggingface_hub cache holding HUB_ID's weights (eva DINOv3 at depth 2), downloaded by the real client."""
+    """An HF_HOME whose cache holds HUB_ID's weights (eva DINOv3 at depth 2), downloaded by the real client."""
     root = tmp_path_factory.mktemp("hub")
     eva = move_off_init_(timm.create_model("vit_small_patch16_dinov3_qkvb", depth=2, global_pool="token"))
     (root / HUB_ID).mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in eva.state_dict().items()}, root / HUB_ID / WEIGHTS)
-    cache = tmp_path_factory.mktemp("hf_home") / "hub"
+    home = tmp_path_factory.mktemp("hf_home")
     with LocalHub(root) as hub:
-        huggingface_hub.hf_hub_download(HUB_ID, WEIGHTS, cache_dir=cache, endpoint=hub.url)
-    return cache
+        huggingface_hub.hf_hub_download(HUB_ID, WEIGHTS, cache_dir=home / "hub", endpoint=hub.url)
+    return home
 
 
-def point_client_at(monkeypatch: pytest.MonkeyPatch, url: str, cache: Path) -> None:
-    """This process's huggingface_hub as HF_ENDPOINT=url and HF_HUB_CACHE=cache set it; the short timeout."""
-    monkeypatch.setattr(constants, "ENDPOINT", url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(cache.parent / "token"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+def short_timeout_client(monkeypatch: pytest.MonkeyPatch, url: str, hf_home: Path) -> None:
+    """This process's huggingface_hub talking only to `url`, with its cache under `hf_home`; the short timeout."""
+    point_client_at(SimpleNamespace(url=url), hf_home, monkeypatch)
     monkeypatch.setenv(HUB_TIMEOUT_VARIABLE, SHORT_S)
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
 
 
 def test_cached_weights_load_from_every_entry_point(unreachable, cached: Path, monkeypatch, capsys) -> None:
-    point_client_at(monkeypatch, unreachable.url, cached)
+    short_timeout_client(monkeypatch, unreachable.url, cached)
     hole = isinstance(unreachable, BlackHoleHub)
     from_cache = f"Hub {HUB_ID} from the local cache (the Hub is not reachable: {not_reachable(unreachable.url, hole)}"
     weights = fetch_hub_weights(HUB_ID)
@@ -179,7 +173,7 @@ def test_cached_weights_load_from_every_entry_point(unreachable, cached: Path, m
 
 def test_offline_asks_nothing(cached: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     with BlackHoleHub() as hole:
-        point_client_at(monkeypatch, hole.url, cached)
+        short_timeout_client(monkeypatch, hole.url, cached)
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
         offline = f"Hub {HUB_ID} from the local cache (the Hub is not reachable: HF_HUB_OFFLINE is set)"
         assert fetch_hub_weights(HUB_ID).origin == offline
@@ -197,7 +191,7 @@ def test_a_reachable_hub_still_revalidates_the_cached_file(tmp_path: Path, monke
     (root / HUB_ID).mkdir(parents=True)
     save_file({"x": torch.ones(4)}, root / HUB_ID / WEIGHTS)
     with LocalHub(root) as hub:
-        point_client_at(monkeypatch, hub.url, tmp_path / "hub")
+        short_timeout_client(monkeypatch, hub.url, tmp_path / "hf_home")
         first = fetch_hub_weights(HUB_ID)
         save_file({"x": torch.zeros(8)}, root / HUB_ID / WEIGHTS)  # a new commit
         second = fetch_hub_weights(HUB_ID)
@@ -220,10 +214,10 @@ def test_a_stalled_name_lookup_is_cut_short_too(cached: Path, tmp_path: Path, mo
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", stalled_lookup)
-    point_client_at(monkeypatch, "http://hub.invalid", cached)
+    short_timeout_client(monkeypatch, "http://hub.invalid", cached)
     found, failed = (
         within_guard(lambda d=cache_dir: fetch_hub_weights(HUB_ID, cache_dir=d))
-        for cache_dir in (cached, tmp_path / "empty")
+        for cache_dir in (cached / "hub", tmp_path / "empty")
     )
     released.set()
     assert found.origin.startswith(f"Hub {HUB_ID} from the local cache (the Hub is not reachable: http://hub.invalid: ")
@@ -254,12 +248,12 @@ def test_a_shard_missing_from_the_cache_is_one_line_at_once(tmp_path: Path, monk
     state = {f"w{i}": torch.randn(64, 64) for i in range(4)}
     huggingface_hub.save_torch_state_dict(state, tmp_path / "root" / SHARDED, max_shard_size="40KB")
     with LocalHub(tmp_path / "root") as hub:
-        point_client_at(monkeypatch, hub.url, tmp_path / "hub")
+        short_timeout_client(monkeypatch, hub.url, tmp_path / "hf_home")
         index = fetch_hub_weights(SHARDED).path
     (*_, last) = sorted(index.parent.glob("model-*.safetensors"))
     last.unlink()
     with BlackHoleHub() as hole:
-        point_client_at(monkeypatch, hole.url, tmp_path / "hub")
+        short_timeout_client(monkeypatch, hole.url, tmp_path / "hf_home")
         failed = within_guard(lambda: fetch_hub_weights(SHARDED))
     assert isinstance(failed, HubError) and str(failed).startswith(
         f"the Hub ({hole.url}) is not reachable: TimeoutError: no answer within {SHORT_S} s "
@@ -271,7 +265,7 @@ def test_a_shard_missing_from_the_cache_is_one_line_at_once(tmp_path: Path, monk
 
 @pytest.mark.parametrize("value", ["soon", "0", "-1", "inf"])
 def test_a_bad_timeout_setting_is_one_line(value: str, cached: Path, monkeypatch) -> None:
-    point_client_at(monkeypatch, closed_port_url(), cached)
+    short_timeout_client(monkeypatch, closed_port_url(), cached)
     monkeypatch.setenv(HUB_TIMEOUT_VARIABLE, value)
     with pytest.raises(HubError) as caught:
         fetch_hub_weights(HUB_ID)
