@@ -5,10 +5,16 @@ by huggingface_hub as usual: one file, or a sharded repo's index with every shar
 wrong on the way (a gated repo, a missing file, a cut download, no network, offline with nothing cached)
 is one `HubError` line naming the fix. A cut download is resumed by huggingface_hub's own retries (HTTP
 Range requests); its partial `.incomplete` file is removed when they fail and is never returned.
+
+Before any download the Hub is asked once, without retries and for at most `HUB_TIMEOUT_S` seconds, whether
+it has the file: a Hub that cannot be asked (no network, a refused or silent connection, `HF_HUB_OFFLINE`)
+costs that wait at most, then the cached file is taken, or the one line says none is cached.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +27,7 @@ from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -30,12 +37,31 @@ from .checkpoints.errors import CheckpointError, reason
 from .checkpoints.formats import WEIGHTS_FILE
 from .checkpoints.reader import read_index
 
-__all__ = ["OFFICIAL_SUFFIX", "HubError", "HubWeights", "fetch_hub_weights", "hub_weights", "unreachable_reason"]
+__all__ = [
+    "HUB_TIMEOUT_S",
+    "HUB_TIMEOUT_VARIABLE",
+    "OFFICIAL_SUFFIX",
+    "HubError",
+    "HubWeights",
+    "fetch_hub_weights",
+    "hub_timeout",
+    "hub_weights",
+    "unreachable_reason",
+]
 
 # A repo's weights, in the order tried when the cfg names no file: one file, else a sharded index.
 WEIGHT_FILES = (WEIGHTS_FILE, f"{WEIGHTS_FILE}.index.json")
 # Tags of Meta's official (gated) transformers repos: `<weights>_facebook` beside timm's ungated `<weights>`.
 OFFICIAL_SUFFIX = "_facebook"
+# How long the one question to the Hub may take in all (name lookup, connection, TLS, answer) before the Hub
+# counts as unreachable. The Hub answers a HEAD well within a second; without a bound of our own a silent
+# network costs huggingface_hub's 10 s per attempt and its retries, half a minute or more, where "no Hub"
+# should take seconds. A slow link sets a longer wait with HUB_TIMEOUT_VARIABLE (seconds).
+HUB_TIMEOUT_S = 3.0
+HUB_TIMEOUT_VARIABLE = "TIMM_LAYERSCALE_HUB_TIMEOUT"
+# The request's own timeout ends it first and closes its connection; the deadline, this much later, is for what
+# that timeout does not reach (the name lookup) and for its phases adding up.
+DEADLINE_GRACE_S = 0.5
 
 
 class HubError(CheckpointError):
@@ -129,15 +155,6 @@ def _no_download(repo_id: str, filename: str, revision: str | None, ungated: str
     )
 
 
-def _from_cache(
-    repo_id: str, filenames: tuple[str, ...], revision: str | None, cache_dir: str | Path | None, exc: BaseException
-) -> Path:
-    path = _cached(repo_id, filenames, revision, cache_dir)
-    if path is None:
-        raise _not_cached(repo_id, filenames, exc, cache_dir) from None
-    return path
-
-
 def _cache_origin(exc: BaseException) -> str:
     """Why cached weights were taken without asking the Hub."""
     if isinstance(exc, HfHubHTTPError) and exc.response is not None:
@@ -184,9 +201,11 @@ def fetch_hub_weights(
     is taken, else its `model.safetensors.index.json`.
 
     Returns the path and where it came from: a weights file, or for a sharded repo its index, with every
-    shard downloaded beside it (`checkpoints.open_checkpoint` reads either). Files come from huggingface_hub's
-    cache when there (offline too, `HF_HUB_OFFLINE=1`), else are downloaded into it; `cache_dir` overrides the
-    cache folder.
+    shard downloaded beside it (`checkpoints.open_checkpoint` reads either). The Hub is asked once, without
+    retries, whether it has the file (nothing is asked with `HF_HUB_OFFLINE=1`); waiting at most
+    `HUB_TIMEOUT_S` seconds (`TIMM_LAYERSCALE_HUB_TIMEOUT` to change it). When it answers, the file is
+    downloaded into huggingface_hub's cache, or revalidated there. When it cannot be asked or answers 5xx,
+    the cached file is taken, offline. `cache_dir` overrides the cache folder.
 
     Raises `HubError` (a `CheckpointError`) with one line: a gated repo without access (how to get it, and
     `ungated`, the name of an ungated copy of the same weights, when the caller knows one), a missing repo,
@@ -195,42 +214,106 @@ def fetch_hub_weights(
     repo_id, revision, filename = _hub_source(source)
     candidates = (filename,) if filename else WEIGHT_FILES
     origin = f"Hub {repo_id}" + (f"@{revision}" if revision else "")
-    path = None
+    cached = _cached(repo_id, candidates, revision, cache_dir)  # what to take if the Hub cannot be asked
+    name, unanswered = _file_on_hub(repo_id, candidates, revision, ungated)
+    if unanswered is not None:
+        if cached is None:
+            raise _not_cached(repo_id, candidates, unanswered, cache_dir)
+        path, origin = cached, f"{origin} from the local cache ({_cache_origin(unanswered)})"
+    elif name is None:
+        raise HubError(
+            f"{repo_id} has no {' or '.join(candidates)} (HTTP 404): see its files on {constants.ENDPOINT}/{repo_id}; "
+            f"a tag or pretrained_cfg_overlay can name another file with hf_hub_filename"
+        )
+    else:
+        try:
+            path = _download(repo_id, name, revision, cache_dir)
+        except Exception as exc:
+            raise _no_download(repo_id, name, revision, ungated, exc) from exc
+    if path.name.endswith(".index.json"):
+        _download_shards(repo_id, path, cache_dir, ungated, unanswered)
+    return HubWeights(path, origin)
+
+
+def _file_on_hub(
+    repo_id: str, candidates: tuple[str, ...], revision: str | None, ungated: str
+) -> tuple[str | None, BaseException | None]:
+    """(the first of `candidates` the Hub has, None) or (None, None) when it has none of them; (None, why)
+    when the Hub could not be asked or answered 5xx. Other answers (gated, missing repo) raise their line."""
+    if constants.HF_HUB_OFFLINE:
+        return None, OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
+    timeout = hub_timeout()
     for name in candidates:
-        try:  # one quick look first (none offline): huggingface_hub's download retries a lost Hub for ~25 s
-            huggingface_hub.get_hf_file_metadata(huggingface_hub.hf_hub_url(repo_id, name, revision=revision))
+        try:
+            _ask(huggingface_hub.hf_hub_url(repo_id, name, revision=revision), timeout)
         except EntryNotFoundError:  # this file is not in the repo: try the next name
             continue
         except HfHubHTTPError as exc:
             if exc.response is None or exc.response.status_code < 500:
                 raise _no_download(repo_id, name, revision, ungated, exc) from exc
-            path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
-            origin += f" from the local cache ({_cache_origin(exc)})"
-            break
-        except Exception as exc:  # offline or no Hub: what the cache has, under whichever name
-            path = _from_cache(repo_id, candidates, revision, cache_dir, exc)
-            origin += f" from the local cache ({_cache_origin(exc)})"
-            break
-        try:
-            path = _download(repo_id, name, revision, cache_dir)
-        except Exception as exc:
-            raise _no_download(repo_id, name, revision, ungated, exc) from exc
-        break
-    if path is None:
+            return None, exc
+        except Exception as exc:  # no Hub: no other name is asked for
+            return None, exc
+        return name, None
+    return None, None
+
+
+def hub_timeout() -> float:
+    """Seconds the question to the Hub may take: `TIMM_LAYERSCALE_HUB_TIMEOUT` when set, else `HUB_TIMEOUT_S`."""
+    value = os.environ.get(HUB_TIMEOUT_VARIABLE, "").strip()
+    if not value:
+        return HUB_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
         raise HubError(
-            f"{repo_id} has no {' or '.join(candidates)} (HTTP 404): see its files on {constants.ENDPOINT}/{repo_id}; "
-            f"a tag or pretrained_cfg_overlay can name another file with hf_hub_filename"
+            f"{HUB_TIMEOUT_VARIABLE}={value!r} is not a number of seconds above 0: set it to how long to wait for "
+            f"the Hub (e.g. 10), or unset it for {HUB_TIMEOUT_S:g}"
         )
-    if path.name.endswith(".index.json"):
-        _download_shards(repo_id, path, cache_dir, ungated)
-    return HubWeights(path, origin)
+    return seconds
 
 
-def _download_shards(repo_id: str, index: Path, cache_dir: str | Path | None, ungated: str) -> None:
-    """Every shard of a cached index, from the same revision (the index's snapshot folder)."""
+def _ask(url: str, timeout: float) -> None:
+    """One HEAD of a file's URL, without retries; the Hub's HTTP error, or why it could not be asked, is raised.
+
+    huggingface_hub's timeout bounds each phase of the request but not the name lookup, which can stall for
+    tens of seconds without a network; so the request runs in a thread that is waited for this long only.
+    """
+    outcome: list[BaseException | None] = []
+
+    def head() -> None:
+        try:  # huggingface_hub makes no retry of a HEAD unless asked to (retry_on_errors)
+            huggingface_hub.get_hf_file_metadata(url, timeout=timeout)
+        except Exception as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    asking = threading.Thread(target=head, name="timm_layerscale Hub question", daemon=True)
+    asking.start()
+    asking.join(timeout + DEADLINE_GRACE_S)
+    error = outcome[0] if outcome else TimeoutError()
+    if error is None:
+        return
+    if isinstance(error, TimeoutError) or any(c.__name__ == "TimeoutException" for c in type(error).__mro__):
+        error = TimeoutError(f"no answer within {timeout:g} s ({HUB_TIMEOUT_VARIABLE} sets how long to wait)")
+    raise error
+
+
+def _download_shards(
+    repo_id: str, index: Path, cache_dir: str | Path | None, ungated: str, unanswered: BaseException | None
+) -> None:
+    """Every shard of a cached index, from the same revision (the index's snapshot folder); from the cache
+    only when the Hub was not asked (`unanswered` says why)."""
     shards = sorted(set(read_index(index).values()))
     revision = index.parent.name
     for shard in shards:
+        if unanswered is not None:
+            if _cached(repo_id, (shard,), revision, cache_dir) is None:
+                raise _not_cached(repo_id, (shard,), unanswered, cache_dir)
+            continue
         try:
             _download(repo_id, shard, revision, cache_dir)
         except LocalEntryNotFoundError as exc:

@@ -179,3 +179,27 @@ def test_pretrained_weights_download_into_the_cache_dir_given(hub_root: tuple[Pa
     assert [p.name for p in (tmp_path / "elsewhere" / repo / "snapshots").glob("*/*")] == ["model.safetensors"]
     assert not (tmp_path / "hf_home" / "hub" / repo).exists()
     assert torch.equal(model.blocks[0].ls1.gamma, eva.blocks[0].gamma_1)
+
+
+def test_inspect_pretrained_reads_a_timm_models_hub_file(tmp_path: Path) -> None:
+    """timm's own LayerScale models (DeiT-III, CaiT) come through the same Hub path as the variants."""
+    name = "deit3_small_patch16_224.fb_in22k_ft_in1k"
+    hub_id = timm.models.get_pretrained_cfg(name).hf_hub_id
+    torch.manual_seed(0)
+    deit = timm.create_model(name.partition(".")[0], depth=2, embed_dim=64, num_heads=4)
+    gammas = {k: v.uniform_(0.5, 1.5) for k, v in deit.state_dict().items() if k.endswith(".gamma")}
+    (tmp_path / "hub" / hub_id).mkdir(parents=True)
+    save_file(
+        {k: v.contiguous() for k, v in deit.state_dict().items()}, tmp_path / "hub" / hub_id / "model.safetensors"
+    )
+    with LocalHub(tmp_path / "hub") as hub:
+        result = run(
+            [sys.executable, "-m", "timm_ls", "inspect", name, "--pretrained", "--json"],
+            hub_env(hub, tmp_path / "hf_home"),
+        )
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert found["weights"].startswith(f"Hub {hub_id} (") and found["spellings"] == ["lsN.gamma"]
+    assert [b["attn"]["mean"] for b in found["blocks"]] == pytest.approx(
+        [gammas[f"blocks.{i}.ls1.gamma"].abs().mean().item() for i in range(2)], rel=1e-6
+    )

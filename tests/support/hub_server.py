@@ -13,6 +13,9 @@ Beyond that, as the Hub answers:
   range), then stops at that offset of the file and drops the connection (a download cut short); with the
   key also in ``cut_once``, only the next GET is cut.
 - Uploads for ``HfApi.create_repo`` and ``upload_folder``/``create_commit`` (every file sent inline).
+
+Two Hubs that cannot be asked, for the no-network paths: :func:`closed_port_url` (connection refused) and
+:class:`BlackHoleHub` (a server that accepts connections, counts them, and never answers).
 """
 
 from __future__ import annotations
@@ -236,7 +239,56 @@ class LocalHub:
         self._thread.join()
 
 
-def hub_env(hub: LocalHub, hf_home: Path) -> dict[str, str]:
+class BlackHoleHub:
+    """A loopback endpoint that accepts every connection and never answers, while the context is open.
+
+    ``connections`` counts the connections accepted (each request that a retry or a second question adds).
+    """
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)  # so the accept loop sees the context close
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.connections = 0
+        self._accepted: list[socket.socket] = []  # held open, unread and unanswered
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            self._accepted.append(connection)
+            self.connections += 1
+
+    def __enter__(self) -> BlackHoleHub:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._closing.set()
+        self._thread.join()
+        self._listener.close()
+        for connection in self._accepted:
+            connection.close()
+
+
+def closed_port_url() -> str:
+    """An endpoint on a loopback port nothing listens on: every connection is refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def hub_env(hub: LocalHub | BlackHoleHub, hf_home: Path) -> dict[str, str]:
     """Environment for a subprocess whose huggingface_hub should talk only to ``hub``."""
     env = dict(os.environ)
     for key in _UNSET_VARS:

@@ -15,24 +15,21 @@ from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
-import huggingface_hub
 import timm
 import torch
-from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError, recognise, source_config
 from ..checkpoints.reader import LazyCheckpoint, open_checkpoint
-from ..hub import unreachable_reason
+from ..hub import HubError, fetch_hub_weights
 from ..identity import identify
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
-from ..variants import VARIANTS
+from ..variants import VARIANTS, ungated_tag
 from .common import CliError, parse_model_kwargs, quiet_hub
 from .common import resolve_variant as resolve_vit_ls
 from .gamma_report import draw, plot_target, stats_table
 
-HUB_FILES = ("model.safetensors", "pytorch_model.bin")
 RANDOM_BUILD_LIMIT = 1_500_000_000  # parameters: larger random models are described from their config only
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
 # A transformer block's attention in any layout (Meta, timm, transformers): a model without one has no LayerScale.
@@ -65,33 +62,27 @@ def _check_fits(checkpoint, name: str, kwargs: dict) -> None:
 
 
 def _download(name: str) -> tuple[str, str]:
-    """The pretrained weights file of a timm or vit_ls model, from the Hub or its local cache."""
+    """The pretrained weights file of a timm or vit_ls model, from the Hub or its local cache, and its origin."""
     try:
         cfg = timm.models.get_pretrained_cfg(name)
     except RuntimeError as exc:  # an unknown tag
         tags = ", ".join(timm.list_pretrained(name.partition(".")[0] + ".*")) or "none"
         raise CliError(f"{exc} Its tags: {tags}") from None
-    hub_id = getattr(cfg, "hf_hub_id", None)
-    if not hub_id:
+    if not getattr(cfg, "hf_hub_id", None):
         raise CliError(f"{name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
-    repo, _, revision = hub_id.partition("@")
-    files = (cfg.hf_hub_filename,) if getattr(cfg, "hf_hub_filename", None) else HUB_FILES
-    for filename in files:
-        try:
-            with quiet_hub():
-                return huggingface_hub.hf_hub_download(repo, filename, revision=revision or None), f"Hub {hub_id}"
-        except Exception as exc:
-            not_local = not isinstance(exc, LocalEntryNotFoundError)
-            if isinstance(exc, EntryNotFoundError) and not_local:
-                continue  # the Hub answered: this repo has no such file
-            unreachable = unreachable_reason(exc)
-            if unreachable is None and not_local:
-                raise CliError(f"--pretrained: cannot download {hub_id}: {' '.join(str(exc).split())[:300]}") from None
-            raise CliError(
-                f"--pretrained: the Hub is not reachable ({unreachable or exc}) and {hub_id} is not in the local "
-                f"cache; pass the downloaded file instead: timm-ls inspect FILE"
-            ) from None
-    raise CliError(f"--pretrained: {hub_id} has none of {', '.join(files)}; pass --checkpoint PATH instead")
+    base = name.partition(".")[0]
+    ungated = ungated_tag(VARIANTS[base], cfg.tag) if base in VARIANTS else ""
+    try:
+        with quiet_hub():
+            weights = fetch_hub_weights(cfg, ungated=ungated)
+    except HubError as exc:
+        if exc.unreachable is None:  # the Hub answered: gated, missing, a server error
+            raise CliError(f"--pretrained: {exc}") from None
+        raise CliError(
+            f"--pretrained: the Hub is not reachable ({exc.unreachable}) and {cfg.hf_hub_id} is not in the local "
+            f"cache; pass the downloaded file instead: timm-ls inspect FILE"
+        ) from None
+    return str(weights.path), weights.origin
 
 
 def _open_file(path: str, weights: str, stack: ExitStack) -> LazyCheckpoint:
