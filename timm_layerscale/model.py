@@ -359,8 +359,10 @@ class VisionTransformerLS(nn.Module):
         x = self.head_drop(self.pool(x, patch_valid=patch_valid))
         return x if pre_logits else self.head(x)
 
-    def forward(self, x: torch.Tensor | dict[str, Any]) -> torch.Tensor:
-        """Images `[B, C, H, W]`, or a NaFlex batch from timm's `create_naflex_loader` (not scripted)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images `[B, C, H, W]`, or a NaFlex batch (a dict) from timm's `create_naflex_loader` (not scripted).
+
+        Annotated for images alone: FX graphs take this signature, and TorchScript then compiles them."""
         return self.forward_head(self.forward_features(x))
 
     # ------------------------------------------------------------------------------------------ NaFlex

@@ -24,6 +24,7 @@ from timm_layerscale import VARIANTS, VisionTransformerLS, convert_checkpoint
 from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo
 from timm_layerscale.checkpoints.formats.meta_train import META_ARCHS, META_SWIGLU
 from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
+from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS
 from timm_layerscale.convert import plan_conversion
 from timm_layerscale.identity import expected_state
 
@@ -38,13 +39,14 @@ CASES = [
 SMALL_ENOUGH_TO_MAKE = 1 << 16  # elements: gammas and biases are made for the checks that read them
 
 
-def timm_plain_file(name: str) -> LazyCheckpoint:
-    """What timm's plain eva file of a variant holds, by key, shape and dtype, on the meta device: no qkv
-    biases, no mask token, periods or local-cls norm. Only the small tensors a conversion reads are made."""
+def timm_plain_file(name: str, fmt=TIMM_EVA, **options) -> LazyCheckpoint:
+    """What timm's plain eva file of a variant holds (or another format's, `fmt`), by key, shape and dtype, on
+    the meta device: no qkv biases, no mask token, periods or local-cls norm. Only the small tensors a
+    conversion reads are made."""
     variant, _, tag = name.partition(".")
     args = {**VARIANTS[variant].model_args, **VARIANTS[variant].tag_model_args(tag or None), "num_classes": 0}
     state = expected_state(VARIANTS[variant].config.replace(**args))
-    eva, _ = TIMM_EVA.table.from_native(state, qkv_bias=False)
+    eva, _ = fmt.table.from_native(state, **(options or {"qkv_bias": False}))
     infos = {k: eva.info(k) for k in eva}
 
     def read(key: str) -> torch.Tensor:
@@ -71,6 +73,21 @@ def test_a_timm_plain_file_to_meta_has_every_key_of_metas_builder(builder, name)
     assert sorted(written) == sorted(expected), set(written) ^ set(expected)
     assert all(written[k] == expected[k] for k in expected), [k for k in expected if written[k] != expected[k]]
     assert "zero qkv biases" in " ".join(planned.fitted.filled) or not planned.identity.config.qkv_bias
+
+
+@pytest.mark.parametrize("name", ["vit_ls_large_patch16_dinov3.sat493m", "vit_ls_7b_patch16_dinov3.sat493m"])
+def test_a_transformers_file_to_meta_takes_the_local_crop_norm_from_the_tag(name):
+    """DINOv3ViTModel has no local-crop norm: Meta's SAT builders' local_cls_norm comes from the tag (from norm)."""
+    builder = next(
+        b
+        for b, entry in BUILDERS.items()
+        if name.partition(".")[0] == entry["our_variant"] and name.partition(".")[2] in entry["our_tags"]
+    )
+    source = timm_plain_file(name, TRANSFORMERS, k_bias=False)
+    assert not any("local_cls_norm" in key for key in source)
+    planned = plan_conversion(source, "out.pth", to="meta", model=name, dtype="fp32")
+    assert set(planned.export.tensors.infos) == set(meta_keys(builder))
+    assert "local_cls_norm from norm" in planned.fitted.filled
 
 
 @pytest.mark.parametrize(("builder", "name"), CASES[:1] + CASES[-1:], ids=["small", "7b-sat"])
