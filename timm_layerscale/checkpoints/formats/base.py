@@ -160,6 +160,13 @@ def hidden_features(config: VitLsConfig) -> int:
     return int(config.embed_dim * config.ffn_ratio)
 
 
+def ffn_args(dim: int, hidden: int, swiglu: bool, align: int = 1) -> dict[str, Any]:
+    """Our FFN args for an MLP (or a SwiGLU aligned to `align`) `hidden` wide: `hidden_features` read back."""
+    if swiglu:
+        return {"ffn_layer": "swiglu", "ffn_ratio": hidden * 1.5 / dim, "swiglu_align_to": align}
+    return {"ffn_layer": "mlp", "ffn_ratio": hidden / dim}
+
+
 def pretrained_cfg_fields(pretrained_cfg: Mapping[str, Any], num_classes: int) -> dict[str, Any]:
     """A pretrained cfg to write: what the weights are (data config, licence), not where they came from."""
     cfg = {k: v for k, v in pretrained_cfg.items() if k not in _SOURCE_FIELDS and v is not None}

@@ -32,6 +32,7 @@ from .base import (
     Format,
     Job,
     SourceConfig,
+    ffn_args,
     hidden_features,
     losses,
     pretrained_cfg_fields,
@@ -114,13 +115,10 @@ def _ratio_for(hidden: int, dim: int) -> float:
 def _ffn_args(args: Mapping[str, Any]) -> dict[str, Any]:
     if "embed_dim" not in args:
         return {}
-    dim = args["embed_dim"]
+    dim, swiglu = args["embed_dim"], bool(args.get("swiglu_mlp"))
     hidden = int(dim * args["mlp_ratio"])
-    if not args.get("swiglu_mlp"):
-        return {"ffn_layer": "mlp", "ffn_ratio": hidden / dim}
-    align = args.get("swiglu_align_to") or 1
-    hidden += -hidden % align
-    return {"ffn_layer": "swiglu", "ffn_ratio": hidden * 1.5 / dim, "swiglu_align_to": align}
+    align = (args.get("swiglu_align_to") or 1) if swiglu else 1
+    return ffn_args(dim, hidden + -hidden % align, swiglu, align)
 
 
 # eva's model args <-> ours, both ways.

@@ -30,6 +30,7 @@ from .base import (
     Format,
     Job,
     SourceConfig,
+    ffn_args,
     hidden_features,
     losses,
     read_fields,
@@ -110,11 +111,7 @@ TABLE = KeyTable(
 
 
 def _ffn_args(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    dim = cfg.get("hidden_size", 384)
-    hidden = cfg["intermediate_size"]
-    if cfg.get("use_gated_mlp"):
-        return {"ffn_layer": "swiglu", "ffn_ratio": hidden * 1.5 / dim, "swiglu_align_to": 1}
-    return {"ffn_layer": "mlp", "ffn_ratio": hidden / dim}
+    return ffn_args(cfg.get("hidden_size", 384), cfg["intermediate_size"], bool(cfg.get("use_gated_mlp")))
 
 
 def _first_init_value(config: VitLsConfig) -> float:
