@@ -12,12 +12,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .destinations import destination_problem
+from .destinations import destination_problem, format_destination_problem
 from .errors import CliError
 from .names import (
     CAST_DTYPES,
     EXPORT_DTYPES,
-    FILE_OR_FOLDER,
     FILE_SUFFIXES,
     FORMATS,
     KEEP,
@@ -90,14 +89,9 @@ def check_convert(args: argparse.Namespace) -> None:
     _require(CHECKPOINT, args.src)
     _model_source(args.model, VARIANT_FILE)
     _require("Meta training YAML", args.meta_config)
-    _destination(
-        args.dst,
-        folder=spec.writes_folder(args.dst),
-        what=f"--to {spec.name}",
-        overwrite=args.overwrite,
-        suffixes=spec.suffixes,
-        or_folder=spec.writes == FILE_OR_FOLDER,
-    )
+    problem = format_destination_problem(spec, args.dst, overwrite=args.overwrite)
+    if problem:
+        raise CliError(problem)
 
 
 def check_export(args: argparse.Namespace) -> None:

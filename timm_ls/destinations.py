@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from .names import FILE_SUFFIXES, suffix_of
+from .names import FILE_OR_FOLDER, FILE_SUFFIXES, FormatSpec, suffix_of
 
 
 def destination_problem(
@@ -63,3 +63,18 @@ def destination_problem(
 
 def _either(suffixes: Sequence[str]) -> str:
     return suffixes[0] if len(suffixes) == 1 else f"{', '.join(suffixes[:-1])} or {suffixes[-1]}"
+
+
+def format_destination_problem(
+    spec: FormatSpec, dst: str | Path, *, overwrite: bool, overwrite_hint: str = "--overwrite"
+) -> str | None:
+    """The rule above for what the format `spec` writes at `dst` (`--to NAME`)."""
+    return destination_problem(
+        dst,
+        folder=spec.writes_folder(Path(dst).name),
+        what=f"--to {spec.name}",
+        overwrite=overwrite,
+        overwrite_hint=overwrite_hint,
+        suffixes=spec.suffixes,
+        or_folder=spec.writes == FILE_OR_FOLDER,
+    )

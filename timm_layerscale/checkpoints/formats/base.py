@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from timm_ls.destinations import destination_problem
-from timm_ls.names import FILE_OR_FOLDER, FormatSpec
+from timm_ls.destinations import format_destination_problem
+from timm_ls.names import FormatSpec
 
 from ...config import VitLsConfig
 from ...layers import swiglu_hidden_features
@@ -109,14 +109,8 @@ class Format:
 
     def check_destination(self, dst: Path, overwrite: bool) -> None:
         """The one destination rule (`timm_ls.destinations`) for what this format writes at `dst`."""
-        problem = destination_problem(
-            dst,
-            folder=self.writes_folder(dst),
-            what=f"--to {self.name}",
-            overwrite=overwrite,
-            overwrite_hint="--overwrite (overwrite=True)",
-            suffixes=self.spec.suffixes,
-            or_folder=self.spec.writes == FILE_OR_FOLDER,
+        problem = format_destination_problem(
+            self.spec, dst, overwrite=overwrite, overwrite_hint="--overwrite (overwrite=True)"
         )
         if problem:
             raise CheckpointError(problem)
