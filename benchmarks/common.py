@@ -13,7 +13,6 @@ import argparse
 import ctypes
 import logging
 import math
-import platform
 import statistics
 import threading
 import time
@@ -33,6 +32,8 @@ import timm_layerscale
 from timm_layerscale.checkpoints.formats.base import hidden_features
 from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
 from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS, transformers_config
+
+from .cpu import cpu_model
 
 logging.getLogger("timm_layerscale").setLevel(logging.ERROR)  # random weights trip the untrained-gamma warning
 
@@ -193,13 +194,7 @@ def profile_top(call: Callable[[], object], device: torch.device, rows: int = 12
 def machine() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()}, {torch.cuda.device_count()} device(s)"
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {torch.get_num_threads()} torch threads"
+    return f"{cpu_model()}, {torch.get_num_threads()} torch threads"
 
 
 def header(what: str) -> str:

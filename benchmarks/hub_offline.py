@@ -1,6 +1,6 @@
 """No Hub and nothing cached: how long each pretrained entry point takes to say so, beyond its imports.
 
-    python -m benchmarks.hub_offline [--rounds 5] [--guard 120]   # or: python benchmarks/hub_offline.py
+    python -m benchmarks.hub_offline [--rounds 5] [--guard 120]
 
 Three entry points, each in fresh processes with an empty `HF_HOME` and every timeout at its default:
 `timm.create_model("vit_ls_small_patch16_dinov3.lvd1689m", pretrained=True)` (its `HubError` printed as one
@@ -28,6 +28,8 @@ import time
 from datetime import date
 from importlib.metadata import version
 from pathlib import Path
+
+from .cpu import cpu_model
 
 TARGET_S = 5.0
 IMPORTS = "import torch, timm, timm_layerscale"
@@ -122,13 +124,7 @@ def measure(rounds: int, guard_s: float) -> tuple[dict[str, list[float]], dict[t
 
 
 def machine() -> str:
-    model = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def report(baselines: dict[str, list[float]], runs: dict[tuple[str, str], dict], rounds: int) -> str:
