@@ -18,6 +18,7 @@ from .names import (
     CAST_DTYPES,
     EXPORT_DTYPES,
     FILE_SUFFIXES,
+    FORMAT_NAMES,
     FORMATS,
     KEEP,
     WEIGHTS_SETS,
@@ -81,7 +82,7 @@ def _plot(args: argparse.Namespace) -> None:
 
 def check_convert(args: argparse.Namespace) -> None:
     spec = next((s for s in FORMATS if s.name == args.to), None)
-    _choice(args.to, "--to", tuple(s.name for s in FORMATS), "target")
+    _choice(args.to, "--to", FORMAT_NAMES, "target")
     _choice(args.dtype, "--dtype", (KEEP, *CAST_DTYPES), "dtype")
     _choice(args.weights, "--weights", WEIGHTS_SETS, "weights set")
     if args.to != "meta-train" and (args.meta_config or args.distill_teacher):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .names import CAST_DTYPES, EXPORT_DTYPES, FORMATS, KEEP, WEIGHTS_SETS
+from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS
 from .paths import experiments_dir
 
 DESCRIPTION = "DINOv3-style ViTs with LayerScale for timm, and LayerScale made visible"
@@ -169,9 +169,8 @@ def add_convert(commands: argparse._SubParsersAction) -> None:
         help="a folder (native, hf, timm) or a .pth/.safetensors file (meta); meta-train: a .pth file, or a name "
         "without a suffix for a distributed checkpoint folder; its folder must exist",
     )
-    names = tuple(spec.name for spec in FORMATS)
     targets = "; ".join(f"{spec.name}: {spec.description}" for spec in FORMATS)
-    parser.add_argument("--to", required=True, metavar=_choices(names), help=targets)
+    parser.add_argument("--to", required=True, metavar=_choices(FORMAT_NAMES), help=targets)
     parser.add_argument("--model", metavar="NAME[.TAG]|VARIANT.yaml", help="the variant (default: from the shapes)")
     _model_kwargs(parser, "depth=2")
     parser.add_argument(
