@@ -20,16 +20,18 @@ from .plan import PERIODS, Plan, Step
 
 Tensor = torch.Tensor
 
-# Keys a checkpoint may lack that fitting fills (zeros, or the model's own fresh value), by key ending: a file
-# without them says nothing about which model it is.
-FILLED_KEY_ENDINGS = ("attn.qkv.bias", "attn.qkv.bias_mask", PERIODS, "mask_token")
 # Keys a layout may lack that the model's own fresh value fills, by key ending.
 OWN_VALUE_FILLS = {
     "attn.qkv.bias_mask": "qkv bias masks (k masked)",
-    "rope_embed.periods": "the default RoPE periods",
+    PERIODS: "the default RoPE periods",
     "head.weight": "the model's fresh classifier head",
     "head.bias": "the model's fresh classifier head",
 }
+# Keys a layout may lack that are filled with zeros, by key ending, and what the report calls them.
+ZERO_FILLS = {"attn.qkv.bias": "zero qkv biases", "mask_token": "a zero mask_token"}
+# Keys a checkpoint may lack that fitting fills, by key ending: a file without them says nothing about which
+# model it is (a classifier head aside: the checkpoint's own decides num_classes).
+FILLED_KEY_ENDINGS = (*ZERO_FILLS, *(k for k in OWN_VALUE_FILLS if not k.startswith("head.")))
 # Keys that only some options create, and the option that creates them.
 # `{}` stands for whether the checkpoint holds the key.
 OPTION_KEYS = (("cls_norm.", "cls_norm={}"), ("mlp.w1.", "ffn_layer='swiglu'"), ("mlp.fc1.", "ffn_layer='mlp'"))
@@ -125,10 +127,9 @@ def _fill(
     """A step that makes `key` from nothing (or from `norm`), and what to report it as."""
     shape = target.shape
     norm_key = "norm." + key.partition(".")[2]
-    if key.endswith("attn.qkv.bias"):
-        return _constant(key, torch.zeros(shape, dtype=dtype)), "zero qkv biases"
-    if key == "mask_token":
-        return _constant(key, torch.zeros(shape, dtype=dtype)), "a zero mask_token"
+    zeros = next((v for k, v in ZERO_FILLS.items() if key.endswith(k)), None)
+    if zeros is not None:
+        return _constant(key, torch.zeros(shape, dtype=dtype)), zeros
     if NATIVE_GAMMA_KEY.match(key):
         return _constant(key, torch.ones(shape, dtype=dtype)), None  # the LayerScale summary reports it
     if key.startswith("local_cls_norm.") and norm_key in steps:
