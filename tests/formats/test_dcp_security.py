@@ -439,3 +439,18 @@ def test_dcp_tensors_are_not_read_by_a_torch_that_unpickles_them_freely(meta_run
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.6.0"))
     with open_checkpoint(meta_run["ckpt"]) as ckpt:
         assert len(ckpt)
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "TRUE", "y"])
+def test_dcp_tensors_are_not_read_while_torch_is_told_to_unpickle_freely(meta_run, monkeypatch, value):
+    """TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD turns torch.load's safe default off where a call leaves it unset."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", value)
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint(meta_run["ckpt"])
+    assert str(info.value).endswith(
+        "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set, which makes torch read its tensors with weights_only=False (code "
+        "in the file would run); unset it to read the folder"
+    )
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0")
+    with open_checkpoint(meta_run["ckpt"]) as ckpt:
+        assert len(ckpt)

@@ -11,6 +11,7 @@ bounds its work (dcp_unpickler.py), what it made is checked against one schema b
 from __future__ import annotations
 
 import io
+import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -96,8 +97,11 @@ def tensors_only_planner(folder: Path) -> Any:
 
 
 # DCP's file reader unpickles each tensor item with `torch.load`, whose default is weights_only=True from
-# torch 2.6 on; before it, a tensor item of a folder could run code when read.
+# torch 2.6 on; before it, a tensor item of a folder could run code when read. This variable turns that default
+# off in torch.load (where a call leaves weights_only unset, as DCP's reader may), with the same truth values.
 SAFE_TENSOR_READS_SINCE = (2, 6)
+UNSAFE_DEFAULT_VARIABLE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
+TORCH_TRUE_VALUES = ("1", "y", "yes", "true")
 
 
 def tensor_reader(folder: Path, metadata: Any) -> Callable[[str], torch.Tensor]:
@@ -106,6 +110,11 @@ def tensor_reader(folder: Path, metadata: Any) -> Callable[[str], torch.Tensor]:
         raise CheckpointError(
             f"{folder} is a distributed checkpoint, whose tensors torch {torch.__version__} reads with "
             f"weights_only=False (code in the file would run); upgrade torch to 2.6 or newer to read it"
+        )
+    if os.environ.get(UNSAFE_DEFAULT_VARIABLE, "0").lower() in TORCH_TRUE_VALUES:
+        raise CheckpointError(
+            f"{folder} is a distributed checkpoint, and {UNSAFE_DEFAULT_VARIABLE} is set, which makes torch read its "
+            f"tensors with weights_only=False (code in the file would run); unset it to read the folder"
         )
     from torch.distributed.checkpoint import FileSystemReader, load
     from torch.distributed.checkpoint.api import CheckpointException
