@@ -127,9 +127,9 @@ def child_make(path: str, depth: int) -> None:
     """A synthetic DINOv3 7B checkpoint in Meta's layout, written one tensor at a time."""
     import torch
 
-    from timm_layerscale.checkpoints.fit import own_value
-    from timm_layerscale.checkpoints.reader import TensorInfo
-    from timm_layerscale.checkpoints.writers import write_safetensors, write_torch_file
+    from timm_layerscale.checkpoints import TensorInfo
+    from timm_layerscale.checkpoints.mapping.fit import own_value
+    from timm_layerscale.checkpoints.write.writers import write_safetensors, write_torch_file
     from timm_layerscale.identity import expected_state
     from timm_layerscale.variants import VARIANTS
 

@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from timm_layerscale.checkpoints import CheckpointError, open_checkpoint
-from timm_layerscale.checkpoints.dcp import read_metadata
-from timm_layerscale.checkpoints.dcp_schema import Work
+from timm_layerscale.checkpoints.read.dcp.reader import read_metadata
+from timm_layerscale.checkpoints.read.dcp.schema import Work
 
 
 def write(folder: Path, metadata: Metadata, data_bytes: int) -> Path:

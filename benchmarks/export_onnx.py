@@ -32,8 +32,8 @@ import onnxruntime as ort
 import torch
 
 from timm_layerscale import export_onnx
-from timm_layerscale.checkpoints.reader import TensorInfo
-from timm_layerscale.checkpoints.writers import write_safetensors
+from timm_layerscale.checkpoints import TensorInfo
+from timm_layerscale.checkpoints.write.writers import write_safetensors
 from timm_layerscale.model import VisionTransformerLS
 from timm_layerscale.variants import VARIANTS
 

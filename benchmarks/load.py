@@ -118,8 +118,8 @@ def child_make_h_plus(path: str) -> None:
     """ViT-H+ in eva's layout, fp32, written tensor by tensor with values away from any init."""
     import torch
 
-    from timm_layerscale.checkpoints.reader import TensorInfo
-    from timm_layerscale.checkpoints.writers import write_safetensors
+    from timm_layerscale.checkpoints import TensorInfo
+    from timm_layerscale.checkpoints.write.writers import write_safetensors
 
     shapes = eva_shapes(H_PLUS_EVA)
     generator = torch.Generator().manual_seed(0)

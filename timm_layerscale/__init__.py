@@ -9,7 +9,6 @@ from .checkpoints import (
     Format,
     checkpoint_filter_fn,
     convert_state_dict,
-    fold_layer_scale,
     open_checkpoint,
     register_format,
     rename_layer_scale,
@@ -17,6 +16,7 @@ from .checkpoints import (
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .convert import convert_checkpoint
 from .export import export_onnx
+from .fold import fold_layer_scale
 from .fsdp import shard_model
 from .hub import HubError, fetch_hub_weights, hub_weights
 from .model import VisionTransformerLS

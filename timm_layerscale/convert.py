@@ -26,11 +26,11 @@ from timm_ls.names import CAST_DTYPES, KEEP, WEIGHTS_SETS
 
 from .checkpoints.dtypes import cast_dtype
 from .checkpoints.errors import CheckpointError
-from .checkpoints.fit import Fitted, fit_to_model
 from .checkpoints.formats import Export, Format, Job, recognise, requested, source_config
-from .checkpoints.plan import PERIODS, Plan, cast_plan, dominant_dtype
-from .checkpoints.reader import LazyCheckpoint, open_checkpoint
-from .checkpoints.writers import atomic_destination
+from .checkpoints.mapping.fit import Fitted, fit_to_model
+from .checkpoints.mapping.plan import PERIODS, Plan, cast_plan, dominant_dtype
+from .checkpoints.read.reader import LazyCheckpoint, open_checkpoint
+from .checkpoints.write.writers import atomic_destination
 from .identity import Identity, expected_state, identify
 
 __all__ = ["Conversion", "Planned", "convert_checkpoint", "plan_conversion"]

@@ -35,7 +35,7 @@ from timm.models._pretrained import PretrainedCfg
 
 from .checkpoints.errors import CheckpointError, reason
 from .checkpoints.formats import WEIGHTS_FILE
-from .checkpoints.reader import read_index
+from .checkpoints.read.reader import read_index
 
 __all__ = [
     "HUB_TIMEOUT_S",

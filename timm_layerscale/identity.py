@@ -23,11 +23,10 @@ from timm.models import get_pretrained_cfg
 from timm_ls.names import is_variant_file
 
 from .checkpoints.errors import CheckpointError
-from .checkpoints.fit import fillable
 from .checkpoints.formats import SourceConfig
-from .checkpoints.gamma_keys import native_gamma_key
-from .checkpoints.plan import PERIODS, Plan
-from .checkpoints.reader import TensorInfo
+from .checkpoints.mapping.fit import fillable
+from .checkpoints.mapping.gamma_keys import native_gamma_key
+from .checkpoints.mapping.plan import PERIODS, Plan, TensorInfo
 from .config import VitLsConfig, resolve_init_values
 from .model import VisionTransformerLS
 from .variants import VARIANTS, Variant, VariantNameError, builtin_architecture, find_variant, load_variant

@@ -22,7 +22,7 @@ from timm.models._hub import download_cached_file
 from tqdm.auto import tqdm
 
 from .checkpoints import CheckpointError, log_report, open_checkpoint, plan_load
-from .checkpoints.plan import Plan, Step, passthrough
+from .checkpoints.mapping.plan import Plan, Step, passthrough
 from .hub import hub_weights
 from .model import VisionTransformerLS
 

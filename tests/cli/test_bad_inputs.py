@@ -24,7 +24,7 @@ from support import REPO, Exploit
 
 from timm_layerscale.checkpoints import CheckpointError
 from timm_layerscale.checkpoints.errors import reason
-from timm_layerscale.checkpoints.reader import open_checkpoint
+from timm_layerscale.checkpoints.read.reader import open_checkpoint
 from timm_ls.main import main
 
 NAME = "vit_ls_small_patch16_dinov3"

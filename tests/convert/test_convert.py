@@ -41,11 +41,11 @@ from timm_layerscale import (
     fold_layer_scale,
     rename_layer_scale,
 )
+from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo, open_checkpoint
 from timm_layerscale.checkpoints.formats.meta import META
 from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
 from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS
-from timm_layerscale.checkpoints.gamma_keys import GAMMA_SPELLINGS
-from timm_layerscale.checkpoints.reader import LazyCheckpoint, TensorInfo, open_checkpoint
+from timm_layerscale.checkpoints.mapping.gamma_keys import GAMMA_SPELLINGS
 from timm_layerscale.identity import expected_state, identify
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS

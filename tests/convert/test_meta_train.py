@@ -26,8 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale import CheckpointError, convert_checkpoint
-from timm_layerscale.checkpoints.dcp import METADATA_FILE, MetadataUnpickler, read_metadata
-from timm_layerscale.checkpoints.dcp_writer import write_dcp
+from timm_layerscale.checkpoints import TensorInfo, open_checkpoint
 from timm_layerscale.checkpoints.formats.meta_train import (
     DEFAULT_HEADS,
     RELEASED_HEADS,
@@ -35,7 +34,8 @@ from timm_layerscale.checkpoints.formats.meta_train import (
     MetaHeads,
     heads_from_config,
 )
-from timm_layerscale.checkpoints.reader import TensorInfo, open_checkpoint
+from timm_layerscale.checkpoints.read.dcp.reader import METADATA_FILE, MetadataUnpickler, read_metadata
+from timm_layerscale.checkpoints.write.dcp import write_dcp
 from timm_layerscale.identity import Identity
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS

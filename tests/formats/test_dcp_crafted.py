@@ -39,9 +39,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from timm_layerscale.checkpoints import CheckpointError
-from timm_layerscale.checkpoints.dcp import read_metadata
-from timm_layerscale.checkpoints.dcp_schema import LIMITS, Limits, Work
-from timm_layerscale.checkpoints.reader import open_checkpoint
+from timm_layerscale.checkpoints.read.dcp.reader import read_metadata
+from timm_layerscale.checkpoints.read.dcp.schema import LIMITS, Limits, Work
+from timm_layerscale.checkpoints.read.reader import open_checkpoint
 
 GAMMA = "model.blocks.0.ls1.gamma"
 DEEP = 300_000

@@ -25,9 +25,9 @@ from support.dcp_mutations import Mutator
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from timm_layerscale.checkpoints import CheckpointError
-from timm_layerscale.checkpoints.dcp import read_metadata, tensor_items, tensor_reader
-from timm_layerscale.checkpoints.dcp_schema import LIMITS, Work
-from timm_layerscale.checkpoints.reader import open_checkpoint
+from timm_layerscale.checkpoints.read.dcp.reader import read_metadata, tensor_items, tensor_reader
+from timm_layerscale.checkpoints.read.dcp.schema import LIMITS, Work
+from timm_layerscale.checkpoints.read.reader import open_checkpoint
 
 SEED = 20261201
 BATCHES, PER_BATCH = 6, 50  # 300 cases in-process

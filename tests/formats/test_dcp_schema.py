@@ -17,8 +17,8 @@ from support.dcp import METADATA, SIZE, build, call, dct, glob, integer, laid_ou
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from timm_layerscale.checkpoints import CheckpointError
-from timm_layerscale.checkpoints.dcp import read_metadata
-from timm_layerscale.checkpoints.dcp_schema import LIMITS, Limits, Work, check_metadata
+from timm_layerscale.checkpoints.read.dcp.reader import read_metadata
+from timm_layerscale.checkpoints.read.dcp.schema import LIMITS, Limits, Work, check_metadata
 
 CORRUPT = "; the metadata is corrupt: copy the whole folder again"
 NEVER = ", which distributed checkpoint metadata never does (nothing was changed); use a checkpoint you trust"

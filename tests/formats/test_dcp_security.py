@@ -52,9 +52,9 @@ from support.dcp import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 from timm_layerscale.checkpoints import CheckpointError
-from timm_layerscale.checkpoints.dcp import read_metadata, tensors_only_planner
-from timm_layerscale.checkpoints.dcp_unpickler import dataclasses_allowed
-from timm_layerscale.checkpoints.reader import open_checkpoint
+from timm_layerscale.checkpoints.read.dcp.reader import read_metadata, tensors_only_planner
+from timm_layerscale.checkpoints.read.dcp.unpickler import dataclasses_allowed
+from timm_layerscale.checkpoints.read.reader import open_checkpoint
 
 DATACLASSES = [(cls.__module__, cls.__name__) for cls in dataclasses_allowed()]  # each allowed to be built
 
@@ -132,7 +132,7 @@ ATTACKS: dict[str, tuple[bytes, str]] = {
     "SETITEM on a class": (POSIX + text("name") + text("x") + pickle.SETITEM, "sets an item of the class pathlib."),
     "SETITEMS on a function": (
         LAYOUT + pickle.MARK + text("pwned") + integer(1) + pickle.SETITEMS,
-        "sets items of the function timm_layerscale.checkpoints.dcp_unpickler.layout",
+        "sets items of the function timm_layerscale.checkpoints.read.dcp.unpickler.layout",
     ),
     "SETITEMS on an instance": (
         new(glob(METADATA, "StorageMeta")) + pickle.MARK + text("pwned") + integer(1) + pickle.SETITEMS,
@@ -215,7 +215,8 @@ def test_refusals_name_what_was_asked(results):
     """Not one catch-all line: each kind of attack says what it tried."""
     err = results["BUILD _get_layout dict at save_id"]["convert"][2]
     assert (
-        "sets the state of the function timm_layerscale.checkpoints.dcp_unpickler.layout (pickle BUILD), which" in err
+        "sets the state of the function timm_layerscale.checkpoints.read.dcp.unpickler.layout (pickle BUILD), which"
+        in err
     )
     err = results["BUILD a memory format member slots at first"]["inspect"][2]
     assert "sets the state of a torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING (pickle BUILD)" in err

@@ -1,4 +1,4 @@
-"""The DCP writer (checkpoints/dcp_writer.py): torch's own folder layout in one process, one data file per rank,
+"""The DCP writer (checkpoints/write/dcp.py): torch's own folder layout in one process, one data file per rank,
 and each streamed tensor's memory released as soon as it is written."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Iterator, Mapping
 import torch
 import torch.distributed.checkpoint as dcp
 
-from timm_layerscale.checkpoints.dcp_writer import write_dcp
-from timm_layerscale.checkpoints.reader import TensorInfo
+from timm_layerscale.checkpoints import TensorInfo
+from timm_layerscale.checkpoints.write.dcp import write_dcp
 
 # Sizes no other tensor of the test process has, so that each tensor is known by its shape alone.
 SHAPES = {"a": (1237,), "b": (97, 13), "c": (2311,), "d": (3, 5, 7, 11)}

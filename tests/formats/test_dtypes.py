@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from timm_layerscale.checkpoints import CheckpointError, open_checkpoint
 from timm_layerscale.checkpoints.dtypes import SAFETENSORS_DTYPES, safetensors_name
-from timm_layerscale.checkpoints.writers import write_safetensors, write_torch_file
+from timm_layerscale.checkpoints.write.writers import write_safetensors, write_torch_file
 
 
 def _sample(dtype: torch.dtype) -> torch.Tensor:

@@ -14,9 +14,9 @@ from support.dcp import ITERATION, meta_arch, meta_training_state, prefixed, sto
 from timm.models import save_for_hf
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-from timm_layerscale.checkpoints import CheckpointError
-from timm_layerscale.checkpoints.dcp import read_metadata, tensor_reader
-from timm_layerscale.checkpoints.reader import TRAINING_STATE, TensorInfo, open_checkpoint
+from timm_layerscale.checkpoints import CheckpointError, TensorInfo
+from timm_layerscale.checkpoints.read.dcp.reader import read_metadata, tensor_reader
+from timm_layerscale.checkpoints.read.reader import TRAINING_STATE, open_checkpoint
 
 
 def backbone(value: float) -> dict[str, torch.Tensor]:
@@ -345,7 +345,7 @@ def test_safetensors_reads_are_views_of_the_mapped_file(tmp_path):
 
 def test_safetensors_files_too_large_to_map_are_read_tensor_by_tensor(tmp_path):
     """The fallback for a file the kernel will not map whole (a 27 GB 7B on a 24 GB machine) reads the same."""
-    from timm_layerscale.checkpoints.reader import _flat_safetensors_read
+    from timm_layerscale.checkpoints.read.reader import _flat_safetensors_read
 
     tensors = {
         "a": torch.randn(3, 5),

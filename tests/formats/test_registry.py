@@ -16,8 +16,8 @@ from timm_layerscale import FORMATS, CheckpointError, Format, convert_checkpoint
 from timm_layerscale.checkpoints.formats import recognise
 from timm_layerscale.checkpoints.formats.base import Export, Job, losses
 from timm_layerscale.checkpoints.formats.meta import NATIVE_KEYS
-from timm_layerscale.checkpoints.keys import KeyTable, row
-from timm_layerscale.checkpoints.writers import write_safetensors
+from timm_layerscale.checkpoints.mapping.keys import KeyTable, row
+from timm_layerscale.checkpoints.write.writers import write_safetensors
 from timm_ls.names import FILE, FormatSpec
 
 

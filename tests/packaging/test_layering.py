@@ -23,9 +23,17 @@ LAYERS = (
     ("timm_ls.paths", -1),
     ("config", 0),
     ("layers", 1),
-    ("checkpoints", 2),
+    ("checkpoints.errors", 2.0),
+    ("checkpoints.dtypes", 2.0),
+    ("checkpoints.mapping", 2.1),
+    ("checkpoints.read", 2.2),
+    ("checkpoints.write", 2.2),
+    ("checkpoints.formats", 2.3),
+    ("checkpoints.load_hook", 2.4),
+    ("checkpoints", 2.5),  # the folder's public names
     ("model", 3),
     ("fsdp", 3),
+    ("fold", 3),
     ("hub", 4),
     ("loading", 4),
     ("variants", 5),
@@ -154,6 +162,31 @@ def test_imports_never_run_back_up_the_layers():
     assert upward == []
 
 
+# Inside the checkpoint machinery, the two directions never meet: a reader knows no writer and no format, a
+# writer no reader. Both stand on mapping (plans, key tables), errors and dtypes.
+APART = {
+    f"{ROOT}.checkpoints.read": (f"{ROOT}.checkpoints.write", f"{ROOT}.checkpoints.formats"),
+    f"{ROOT}.checkpoints.write": (f"{ROOT}.checkpoints.read", f"{ROOT}.checkpoints.formats"),
+}
+
+
+def crossings(edges: dict[str, list[tuple[str, int, bool]]]) -> list[str]:
+    return [
+        f"{name}:{line} imports {target}"
+        for name, found in edges.items()
+        for source, barred in APART.items()
+        if name == source or name.startswith(source + ".")
+        for target, line, _ in found
+        if any(target == b or target.startswith(b + ".") for b in barred)
+    ]
+
+
+def test_reading_and_writing_checkpoints_never_import_each_other():
+    assert crossings(graph()) == []
+    made_up = {f"{ROOT}.checkpoints.read.reader": [(f"{ROOT}.checkpoints.write.writers", 3, False)]}
+    assert crossings(made_up) == [f"{ROOT}.checkpoints.read.reader:3 imports {ROOT}.checkpoints.write.writers"]
+
+
 # The one import of a package module inside a function: the entry point loads a command's module when it runs it.
 DISPATCH = "timm_ls.main"
 
@@ -168,7 +201,7 @@ def test_no_module_of_the_package_is_imported_inside_a_function_but_the_commands
 def test_the_checks_see_a_cycle_and_an_upward_import(tmp_path):
     """The checks themselves: a made-up cycle and an import from the checkpoints up to the model are found."""
     assert cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
-    assert layer(f"{ROOT}.checkpoints.reader") < layer(f"{ROOT}.model") < layer(f"{ROOT}.variants")
+    assert layer(f"{ROOT}.checkpoints.read.reader") < layer(f"{ROOT}.model") < layer(f"{ROOT}.variants")
     fake = tmp_path / "timm_layerscale" / "checkpoints"
     fake.mkdir(parents=True)
     (fake / "reader.py").write_text("def f():\n    from ..model import VisionTransformerLS\n")

@@ -19,7 +19,9 @@ import torch
 import torch.serialization
 from torch.distributed.checkpoint import filesystem, metadata
 
-from timm_layerscale.checkpoints import dcp, dcp_unpickler, dtypes
+from timm_layerscale.checkpoints import dtypes
+from timm_layerscale.checkpoints.read.dcp import reader as dcp
+from timm_layerscale.checkpoints.read.dcp import unpickler as dcp_unpickler
 from timm_ls.main import main
 
 WATCHED = {

@@ -6,14 +6,13 @@ command, so every application (pretrained loading, `convert_checkpoint`, publish
 """
 
 from .errors import CheckpointError
-from .fit import Fitted, fit_to_model
 from .formats import FORMATS, Format, get_format, recognise, register_format, source_config
-from .gamma_keys import rename_layer_scale
-from .keys import StateDict
-from .layer_scale import fold_layer_scale
 from .load_hook import checkpoint_filter_fn, convert_state_dict, install_load_hook, log_report, plan_load
-from .plan import Plan
-from .reader import LazyCheckpoint, TensorInfo, open_checkpoint
+from .mapping.fit import Fitted, fit_to_model
+from .mapping.gamma_keys import rename_layer_scale
+from .mapping.keys import StateDict
+from .mapping.plan import Plan, TensorInfo
+from .read.reader import LazyCheckpoint, open_checkpoint
 
 __all__ = [
     "FORMATS",
@@ -27,7 +26,6 @@ __all__ = [
     "checkpoint_filter_fn",
     "convert_state_dict",
     "fit_to_model",
-    "fold_layer_scale",
     "get_format",
     "install_load_hook",
     "log_report",

@@ -1,7 +1,7 @@
 """file -> layout -> mapping -> load: every checkpoint layout becomes a model's own state dict.
 
 `plan_load` plans every load from shapes, on the formats' key tables (`formats/`) and fitting rules
-(`fit.py`), reading one tensor at a time: pretrained loading streams its plan into a model on the meta
+(`mapping/fit.py`), reading one tensor at a time: pretrained loading streams its plan into a model on the meta
 device (`timm_layerscale.loading`), and `convert_state_dict` runs it for a `load_state_dict` pre-hook on
 every model, because `timm.models.load_checkpoint`, `checkpoint_path=`,
 train.py's `--initial-checkpoint` and validate.py's `--checkpoint` load without any filter (and for
@@ -16,11 +16,11 @@ from typing import Any
 
 from torch import nn
 
-from .fit import Fitted, fit_to_model
 from .formats import recognise
-from .keys import StateDict
-from .plan import Plan
-from .reader import LazyCheckpoint, open_checkpoint
+from .mapping.fit import Fitted, fit_to_model
+from .mapping.keys import StateDict
+from .mapping.plan import Plan
+from .read.reader import LazyCheckpoint, open_checkpoint
 
 __all__ = ["checkpoint_filter_fn", "convert_state_dict", "install_load_hook", "log_report", "plan_load"]
 

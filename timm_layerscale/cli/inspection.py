@@ -21,7 +21,7 @@ import torch
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError, recognise, source_config
-from ..checkpoints.reader import LazyCheckpoint, open_checkpoint
+from ..checkpoints.read.reader import LazyCheckpoint, open_checkpoint
 from ..hub import HubError, fetch_hub_weights
 from ..identity import identify
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats

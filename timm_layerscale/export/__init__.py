@@ -24,9 +24,9 @@ from timm_ls.destinations import destination_problem
 from timm_ls.names import EXPORT_DTYPES
 
 from ..checkpoints.dtypes import cast_dtype
-from ..checkpoints.layer_scale import fold_layer_scale
-from ..checkpoints.writers import atomic_destination
+from ..checkpoints.write.writers import atomic_destination
 from ..config import VitLsConfig
+from ..fold import fold_layer_scale
 from ..model import VisionTransformerLS
 from .check import TOLERANCE, check_onnx, verdict
 from .errors import CheckRow, ExportError, OnnxCheckError

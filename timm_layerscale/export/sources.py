@@ -16,7 +16,7 @@ from torch import nn
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError, Fitted, open_checkpoint, plan_load, recognise, source_config
-from ..checkpoints.plan import Plan, passthrough
+from ..checkpoints.mapping.plan import Plan, passthrough
 from ..config import VitLsConfig
 from ..identity import identify
 from ..loading import pretrained_source

@@ -1,4 +1,7 @@
-"""LayerScale: a learnable per-channel gain on a residual branch (Touvron et al., CaiT, 2021)."""
+"""LayerScale: a learnable per-channel gain on a residual branch (Touvron et al., CaiT, 2021).
+
+It folds into the linear layer before it: `gamma * (W x + b) == (gamma[:, None] * W) x + gamma * b`.
+"""
 
 import torch
 from torch import nn
@@ -24,3 +27,10 @@ class LayerScale(nn.Module):
 def layer_scale_or_identity(dim: int, init_values: float | None) -> nn.Module:
     """`None` switches LayerScale off: an Identity leaves no `gamma` in the state dict."""
     return nn.Identity() if init_values is None else LayerScale(dim, init_values)
+
+
+def fold_gamma(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor):
+    """`gamma * (W x + b)` as one linear layer, computed in fp32 (or wider) and returned in the weight's dtype."""
+    gamma = gamma.to(torch.promote_types(weight.dtype, torch.float32))
+    folded = (weight * gamma[:, None]).to(weight.dtype)
+    return folded, None if bias is None else (bias * gamma).to(bias.dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoints.writers import atomic_destination
+from ..checkpoints.write.writers import atomic_destination
 
 
 def write_atomically(path: Path, data: bytes | str) -> None:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..checkpoints.gamma_keys import SPELLING_PATTERNS
+from ..checkpoints.mapping.gamma_keys import SPELLING_PATTERNS
 from ..config import BRANCHES
 
 MUTED_BELOW = 1e-3

@@ -21,11 +21,11 @@ from timm_ls.names import FormatSpec
 from ...config import VitLsConfig
 from ...layers import swiglu_hidden_features
 from ..errors import CheckpointError
-from ..gamma_keys import native_gamma_key
-from ..keys import KeyTable
-from ..plan import PERIODS, Plan, Step, passthrough
-from ..reader import LazyCheckpoint
-from ..writers import Progress
+from ..mapping.gamma_keys import native_gamma_key
+from ..mapping.keys import KeyTable
+from ..mapping.plan import PERIODS, Plan, Step, passthrough
+from ..read.reader import LazyCheckpoint
+from ..write.writers import Progress
 
 Tensor = torch.Tensor
 WEIGHTS_FILE = "model.safetensors"

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..gamma_keys import ANY_GAMMA_KEY
-from ..plan import info_of
+from ..mapping.gamma_keys import ANY_GAMMA_KEY
+from ..mapping.plan import info_of
 
 # Position-embedding tables of ViTs that are not DINOv3 (which has RoPE and no table).
 _POS_EMBED = re.compile(r"(^|\.)(pos_embed|position_embeddings)$")

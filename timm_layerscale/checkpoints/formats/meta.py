@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from timm_ls.names import FORMATS
 
-from ..gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name
-from ..keys import KeyTable, row
-from ..writers import write_safetensors, write_torch_file
+from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name
+from ..mapping.keys import KeyTable, row
+from ..write.writers import write_safetensors, write_torch_file
 from .base import Export, Format, Job, losses, with_all_gammas
 
 # Every key of the native layout, by pattern. Meta's files use exactly these keys (Meta has no `head`).

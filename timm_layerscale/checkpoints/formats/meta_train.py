@@ -31,11 +31,11 @@ from timm_ls.names import FORMATS
 
 from ...config import BRANCHES, VitLsConfig
 from ...layers import swiglu_hidden_features
-from ..dcp_writer import write_dcp
 from ..errors import CheckpointError
-from ..plan import Plan, cast_plan, info_of, passthrough
-from ..reader import ONLY_SET, LazyCheckpoint, TensorInfo
-from ..writers import Progress, write_torch_file
+from ..mapping.plan import Plan, TensorInfo, cast_plan, info_of, passthrough
+from ..read.reader import ONLY_SET, LazyCheckpoint
+from ..write.dcp import write_dcp
+from ..write.writers import Progress, write_torch_file
 from .base import OUTPUT_CHANGING, PERIODS, Export, Format, Job, losses, with_all_gammas
 from .meta import META
 

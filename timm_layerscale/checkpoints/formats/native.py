@@ -15,8 +15,8 @@ import torch
 from timm_ls.names import FORMATS
 
 from ...config import VitLsConfig
-from ..keys import KeyTable, row
-from ..writers import Progress, atomic_destination, write_safetensors, write_text
+from ..mapping.keys import KeyTable, row
+from ..write.writers import Progress, atomic_destination, write_safetensors, write_text
 from .base import CONFIG_FILE, WEIGHTS_FILE, Export, Format, Job, SourceConfig, pretrained_cfg_fields
 from .meta import NATIVE_KEYS, native_keys
 

@@ -20,9 +20,9 @@ from timm_ls.names import FORMATS
 from ...config import VitLsConfig
 from ...layers import effective_qkv_bias
 from ..errors import CheckpointError
-from ..gamma_keys import NATIVE_SPELLING, gamma_name
-from ..keys import KeyTable, row
-from ..writers import Progress, write_sharded_safetensors, write_text
+from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
+from ..mapping.keys import KeyTable, row
+from ..write.writers import Progress, write_sharded_safetensors, write_text
 from .base import (
     CONFIG_FILE,
     ConfigField,

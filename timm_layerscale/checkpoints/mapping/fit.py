@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers import RopeEmbedding, effective_qkv_bias, k_bias_mask
-from .errors import CheckpointError
+from ...layers import RopeEmbedding, effective_qkv_bias, k_bias_mask
+from ..errors import CheckpointError
 from .gamma_keys import NATIVE_GAMMA_KEY
 from .layer_scale import LayerScalePlan, plan_layer_scale, suspicious_gammas
 from .plan import PERIODS, Plan, Step

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .dcp_schema import LIMITS, Limits, Work, shown
-from .dtypes import dtype_named, layout_named
+from ...dtypes import dtype_named, layout_named
+from .schema import LIMITS, Limits, Work, shown
 
 
 def _allowed_globals() -> dict[tuple[str, str], Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .plan import info_of
+from ..mapping.plan import info_of
 from .writers import Progress, made_as_planned
 
 Tensor = torch.Tensor

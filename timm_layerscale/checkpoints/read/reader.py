@@ -22,9 +22,10 @@ from typing import Any, Literal, get_args
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..dtypes import torch_dtype, unknown_name_reason
+from ..errors import CheckpointError, reason, torch_load_error
+from ..mapping.plan import TensorInfo
 from . import dcp
-from .dtypes import torch_dtype, unknown_name_reason
-from .errors import CheckpointError, reason, torch_load_error
 from .sniff import PASS_WEIGHTS, sniff
 
 Weights = Literal["auto", "ema", "raw"]
@@ -63,16 +64,6 @@ HUB_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_mod
 # Meta's DINOv3 training writes the EMA teacher for evaluation as one of these, inside `eval/<iteration>/`.
 META_EVAL_TEACHER = ("sharded_teacher_checkpoint", "teacher_checkpoint.pth")
 WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    shape: torch.Size
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
 
 
 class LazyCheckpoint(Mapping[str, torch.Tensor]):

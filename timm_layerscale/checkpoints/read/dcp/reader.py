@@ -3,8 +3,8 @@
 DCP writes a `.metadata` pickle (what each key is and where its chunks lie) beside `__<rank>_<n>.distcp` data
 files. torch's own reader unpickles `.metadata` with `pickle.load` and non-tensor items with
 `weights_only=False`; here `.metadata` goes through an unpickler that knows only DCP's metadata classes and
-bounds its work (dcp_unpickler.py), what it made is checked against one schema before any use
-(dcp_schema.py), and only tensor items are ever requested (each is read by DCP with
+bounds its work (unpickler.py), what it made is checked against one schema before any use
+(schema.py), and only tensor items are ever requested (each is read by DCP with
 `torch.load(weights_only=True)`).
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .dcp_schema import LIMITS, Limits, Work, check_metadata
-from .dcp_unpickler import MetadataUnpickler, Refused
-from .errors import CheckpointError, reason, torch_load_error
+from ...errors import CheckpointError, reason, torch_load_error
+from .schema import LIMITS, Limits, Work, check_metadata
+from .unpickler import MetadataUnpickler, Refused
 
 __all__ = [
     "METADATA_FILE",
@@ -39,7 +39,7 @@ METADATA_FILE = ".metadata"
 
 
 def read_metadata(folder: Path, limits: Limits = LIMITS, work: Work | None = None) -> Any:
-    """The folder's DCP `Metadata`, unpickled within `limits` and checked against the schema (dcp_schema.py);
+    """The folder's DCP `Metadata`, unpickled within `limits` and checked against the schema (schema.py);
     `work`, where given, counts what the read did."""
     path = folder / METADATA_FILE
     work = work if work is not None else Work()

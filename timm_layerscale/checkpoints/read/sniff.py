@@ -10,7 +10,7 @@ import json
 import zipfile
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 HEAD_BYTES = 4096
 CONFIG_MAX_BYTES = 1 << 20

@@ -23,10 +23,9 @@ from safetensors import safe_open
 
 from timm_ls.destinations import destination_problem
 
-from .dtypes import safetensors_name
-from .errors import CheckpointError
-from .plan import info_of
-from .reader import TensorInfo
+from ..dtypes import safetensors_name
+from ..errors import CheckpointError
+from ..mapping.plan import TensorInfo, info_of
 
 Tensor = torch.Tensor
 Progress = Callable[[int], object]  # called with the bytes just written

@@ -1,6 +1,6 @@
 """What DCP `.metadata` may hold, checked after unpickling and before any use; the bounds of the whole read.
 
-The unpickler (dcp_unpickler.py) makes only DCP's own classes, within the `Limits` on nesting and counts.
+The unpickler (unpickler.py) makes only DCP's own classes, within the `Limits` on nesting and counts.
 `check_metadata` then checks what was made against one schema: every field of the expected type, names of
 bounded length, sizes and offsets non-negative ints with each chunk inside its tensor and the chunks an exact
 cover of it, dtypes and layouts from the fixed tables (dtypes.py), and no tensor larger than the bytes its
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .dtypes import TORCH_DTYPES, TORCH_LAYOUTS
-from .errors import CheckpointError
+from ...dtypes import TORCH_DTYPES, TORCH_LAYOUTS
+from ...errors import CheckpointError
 
 
 @dataclass(frozen=True)

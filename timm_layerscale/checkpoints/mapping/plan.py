@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .reader import TensorInfo
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
 
 Tensor = torch.Tensor
 PERIODS = "rope_embed.periods"  # RoPE's periods buffer: kept in its dtype by casts, never a fill's dtype

@@ -1,7 +1,7 @@
 """LayerScale on load: gammas are kept, folded into the projection before them, or set to 1, never dropped.
 
-Folding uses `gamma * (W x + b) == (gamma[:, None] * W) x + gamma * b`: the branch output is unchanged,
-which is also how LayerScale is fused away for inference (`fold_layer_scale`).
+Folding uses `layers.fold_gamma`, the same rule `fold_layer_scale` applies to a live model: the branch output is
+unchanged.
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from ..layers import LayerScale
-from .errors import CheckpointError
+from ...layers import fold_gamma
+from ..errors import CheckpointError
 from .gamma_keys import NATIVE_GAMMA_KEY
-from .plan import Step
-from .reader import TensorInfo
+from .plan import Step, TensorInfo
 
 # Values LayerScale is commonly initialised to: a gamma vector equal to one of them was never trained.
 COMMON_INIT_VALUES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1)
@@ -31,13 +29,6 @@ def branch_output_projection(keys: Mapping[str, Any] | set[str], block: int, bra
         if f"blocks.{block}.{name}.weight" in keys:
             return f"blocks.{block}.{name}"
     return None
-
-
-def fold_gamma(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor):
-    """`gamma * (W x + b)` as one linear layer, computed in fp32 (or wider) and returned in the weight's dtype."""
-    gamma = gamma.to(torch.promote_types(weight.dtype, torch.float32))
-    folded = (weight * gamma[:, None]).to(weight.dtype)
-    return folded, None if bias is None else (bias * gamma).to(bias.dtype)
 
 
 def _fold(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, **_):
@@ -158,38 +149,3 @@ def _branches(names: list[str], total: int, shown: int = 4) -> str:
     if len(names) <= shown + 1:
         return f"blocks {', '.join(names)}"
     return f"blocks {', '.join(names[:shown])} and {len(names) - shown} more ({len(names)} of {total} branches)"
-
-
-@torch.no_grad()
-def fold_layer_scale(model: nn.Module) -> nn.Module:
-    """Fuses every LayerScale of a model into the projection before it and removes the LayerScale.
-
-    Outputs stay the same (up to float rounding); the model gets a little faster and loses its gammas.
-    Works on this package's models and on any model whose blocks use the same names.
-    """
-    for block in model.modules():
-        for ls_name, proj_names in (("ls1", ("attn.proj",)), ("ls2", ("mlp.fc2", "mlp.w3"))):
-            layer_scale = getattr(block, ls_name, None)
-            if not isinstance(layer_scale, LayerScale):
-                continue
-            proj = next(p for name in proj_names if (p := _get(block, name)) is not None)
-            weight, bias = fold_gamma(proj.weight, proj.bias, layer_scale.gamma)
-            proj.weight.copy_(weight)
-            if bias is not None:
-                proj.bias.copy_(bias)
-            setattr(block, ls_name, nn.Identity())
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "replace"):
-        model.config = config.replace(init_values=0)  # what a later save records
-    recorded = getattr(model, "_model_args", None)
-    if isinstance(recorded, dict):  # what timm's own save_for_hf records; assigned, as it may be a property
-        model._model_args = {**recorded, "init_values": 0}
-    return model
-
-
-def _get(module: nn.Module, dotted: str) -> nn.Module | None:
-    for part in dotted.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module
