@@ -26,12 +26,12 @@ from timm_ls.names import CAST_DTYPES, KEEP, WEIGHTS_SETS
 
 from .checkpoints.dtypes import cast_dtype
 from .checkpoints.errors import CheckpointError
-from .checkpoints.formats import Export, Format, Job, recognise, requested, source_config
+from .checkpoints.formats import Export, Format, Job, requested
 from .checkpoints.mapping.fit import Fitted, fit_to_model
 from .checkpoints.mapping.plan import PERIODS, Plan, cast_plan, dominant_dtype
 from .checkpoints.read.reader import LazyCheckpoint, open_checkpoint
 from .checkpoints.write.writers import atomic_destination
-from .identity import Identity, expected_state, identify
+from .identity import IdentifiedModel, expected_state, identify_checkpoint
 
 __all__ = ["Conversion", "Planned", "convert_checkpoint", "plan_conversion"]
 
@@ -135,7 +135,7 @@ class Planned:
     the weights fitted to it, and the target's tensors with what it cannot hold."""
 
     source: Format
-    identity: Identity
+    identity: IdentifiedModel
     fitted: Fitted
     export: Export
 
@@ -190,12 +190,9 @@ def _plan(
     fuse: bool,
     max_shard_size: int | str,
 ) -> Planned:
-    source = recognise(ckpt)
-    native = source.table.to_native(ckpt)
-    config = source_config(ckpt.hub_config)
-    identity = identify(native, model, model_kwargs, config, fuse, source.unheld_args)
-    fitted, export = _planned(native, source.title, identity, request, ckpt.heads, max_shard_size)
-    return Planned(source, identity, fitted, export)
+    found = identify_checkpoint(ckpt, model, model_kwargs, fuse)
+    fitted, export = _planned(found.native, found.format.title, found.model, request, ckpt.heads, max_shard_size)
+    return Planned(found.format, found.model, fitted, export)
 
 
 def _checked_request(
@@ -215,7 +212,7 @@ def _checked_request(
 def _planned(
     native: Plan,
     keys: str,
-    identity: Identity,
+    identity: IdentifiedModel,
     request: _Request,
     heads: LazyCheckpoint | None,
     max_shard_size: int | str,

@@ -1,19 +1,22 @@
-"""Which variant and arguments a checkpoint's weights are: one rule for convert, export and inspect.
+"""Which variant and arguments a checkpoint's weights are: one rule for convert, export and inspect
+(`identify_checkpoint`).
 
-The variant is the registered one whose shapes are nearest the weights', whatever the source says of itself
-(a config.json travelling with the weights never changes which variant is named). Its arguments are then the
-variant's (and its tag's), what the weights' keys decide (biases, norms, head, LayerScale per branch, RoPE
-periods), what such a config completes (widths, heads, RoPE base, data config), and last the caller's. The
-result must build a model whose every key fits the weights, or the one error line names the nearest variant,
-the first key that differs and the fix.
+The variant is, first to last: the one the caller names (`--model`), the one the checkpoint records (the
+`architecture` of a config.json beside it, or the `arch` timm's train.py saves in it), the registered one of
+its family whose shapes are nearest the weights'. Its arguments are then the variant's (and its tag's), what
+the weights' keys decide (biases, norms, head, LayerScale per branch, RoPE periods), what the checkpoint
+records (widths, heads, RoPE base, data config), and last the caller's `--model-kwargs`, which complete the
+arguments and never change the name. The result must build a model whose every key fits the weights, or the
+one error line names the variant, the first key that differs and the fix.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,23 +26,24 @@ from timm.models import get_pretrained_cfg
 from timm_ls.names import is_variant_file
 
 from .checkpoints.errors import CheckpointError
-from .checkpoints.formats import SourceConfig
+from .checkpoints.formats import Format, SourceConfig, recognise, source_config
 from .checkpoints.mapping.fit import fillable
 from .checkpoints.mapping.gamma_keys import native_gamma_key
 from .checkpoints.mapping.plan import PERIODS, Plan, TensorInfo
+from .checkpoints.read.reader import LazyCheckpoint
 from .config import VitLsConfig, resolve_init_values
 from .model import VisionTransformerLS
 from .variants import VARIANTS, Variant, VariantNameError, builtin_architecture, find_variant, load_variant
 
-__all__ = ["Identity", "expected_state", "identify", "key_args"]
+__all__ = ["IdentifiedCheckpoint", "IdentifiedModel", "expected_state", "identify", "identify_checkpoint", "key_args"]
 
-MAX_LISTED = 80  # characters of model arguments a reason lists; `Identity.config` has them all
+MAX_LISTED = 80  # characters of model arguments a reason lists; `IdentifiedModel.config` has them all
 # What makes a released DINOv3's shape: equal in these, a model has the shapes Meta trained.
 SHAPE_FIELDS = ("embed_dim", "depth", "num_heads", "patch_size", "ffn_layer", "ffn_ratio", "swiglu_align_to")
 
 
 @dataclass
-class Identity:
+class IdentifiedModel:
     """The model a checkpoint holds: its variant, full config, and why that variant."""
 
     name: str
@@ -143,8 +147,9 @@ def differences(
     return found, distance
 
 
-def _candidates(model: str | None) -> tuple[dict[str, Variant], str | None, str]:
-    """The variants to choose among, the tag asked for, and why."""
+def _candidates(model: str | None, recorded: SourceConfig | None) -> tuple[dict[str, Variant], str | None, str]:
+    """The variants to choose among, the tag asked for, and why: the caller's `model`, else the variant the
+    checkpoint records, else every variant of the family (today, DINOv3's), ranked by shape."""
     if model and is_variant_file(model):
         variant = load_variant(model)  # not registered: the written config names a shipped architecture
         return {variant.name: variant}, None, f"from {model}"
@@ -154,6 +159,8 @@ def _candidates(model: str | None) -> tuple[dict[str, Variant], str | None, str]
         except VariantNameError as exc:
             raise CheckpointError(str(exc)) from None
         return {variant.name: variant}, tag, "given"
+    if recorded is not None and recorded.architecture in VARIANTS:
+        return {recorded.architecture: VARIANTS[recorded.architecture]}, None, f"recorded in {recorded.origin}"
     return dict(sorted(VARIANTS.items())), None, "from the shapes"
 
 
@@ -176,22 +183,25 @@ def _config(
     return VitLsConfig.from_dict(args, source=source or f"the args of {variant.name}")
 
 
-def _nearest(variants: Mapping[str, Variant], tag: str | None, weights: _Weights, asked: Mapping[str, Any]) -> str:
-    """The variant whose shapes (with what the keys decide and the caller `asked`) are nearest the weights':
-    the fewest differing keys, then the smallest difference in size."""
+def _nearest(variants: Mapping[str, Variant], weights: _Weights, asked: Mapping[str, Any]) -> str:
+    """The variant whose shapes, with what the keys decide and the caller `asked`, are nearest the weights': the
+    fewest differing keys, then the smallest difference in size; among variants the caller's arguments make
+    equally near (`embed_dim=64 depth=2 num_heads=4` makes every variant that shape), the one nearest the
+    weights without them, so the arguments complete the variant the weights are and do not pick another."""
     infos = {k: weights.native.info(k) for k in weights.native}
-    distances, refusals = {}, []
+    ranks, refusals = {}, []
     for name, variant in variants.items():
         try:
-            config = _config(variant, tag, weights, asked, source="the model args")
+            config = _config(variant, None, weights, asked, source="the model args")
         except ValueError as exc:
             refusals.append(exc)
             continue
         found, distance = differences(infos, expected_state(config), name)
-        distances[name] = (bool(found), distance, name)
-    if not distances:
+        _, alone = differences(infos, expected_state(_config(variant, None, weights, {})), name)
+        ranks[name] = (bool(found), distance, alone, name)
+    if not ranks:
         raise refusals[0]  # a bad argument: its line names what is allowed
-    return min(distances, key=distances.get)
+    return min(ranks, key=ranks.get)
 
 
 def identify(
@@ -201,33 +211,42 @@ def identify(
     source_config: SourceConfig | None = None,
     fuse_layerscale: bool = False,
     unheld: frozenset[str] = frozenset(),
-) -> Identity:
-    """The variant and full config of a checkpoint in native keys: `model` (a name, `NAME.TAG` or a YAML file)
-    if given, else the registered variant nearest its shapes; `source_config` (a config.json beside the
-    weights) and `model_kwargs` complete its arguments. Raises `CheckpointError` naming the nearest variant
-    and the first key that differs when the weights do not fit what they complete."""
-    variants, tag, reason = _candidates(model)
+) -> IdentifiedModel:
+    """The variant and full config of a checkpoint in native keys. The variant is, first to last: `model` (a
+    name, `NAME.TAG` or a YAML file), the variant the checkpoint records (`source_config.architecture`), the
+    nearest by shape. `source_config`'s args, then `model_kwargs`, complete its arguments. Raises
+    `CheckpointError` naming the variant and the first key that differs when the weights do not fit it."""
+    variants, tag, reason = _candidates(model, source_config)
     weights = _Weights(native, unheld, fuse_layerscale)
     asked = dict(model_kwargs or {})
-    name = _nearest(variants, tag, weights, asked) if len(variants) > 1 else next(iter(variants))
+    name = _nearest(variants, weights, asked) if len(variants) > 1 else next(iter(variants))
     completing = dict(source_config.args) if source_config else {}
     overrides = {**completing, **asked}
     config = _config(variants[name], tag, weights, overrides)
-    infos = {k: native.info(k) for k in native}
-    found, _ = differences(infos, expected_state(config), name) if len(variants) > 1 else ([], 0.0)
-    if found:  # a variant given is fitted by the load's own checks, whose line names the option that differs
-        more = f" ({len(found) - 1} more keys differ)" if len(found) > 1 else ""
-        raise CheckpointError(
-            f"the checkpoint's shapes match no registered variant; the nearest is {name}: {found[0]}{more}; pass "
-            f"--model NAME and --model-kwargs for what differs (e.g. embed_dim=... depth=... num_heads=...)"
+    if len(variants) > 1:
+        _refuse_misfit(
+            native, config, name, f"the checkpoint's shapes match no registered variant; the nearest is {name}"
         )
+    elif reason.startswith("recorded"):  # a variant given is fitted by the load's checks, whose line names the option
+        _refuse_misfit(native, config, name, f"the checkpoint records {name}, whose shapes differ")
     if completing and len(variants) > 1:
-        reason += " and config.json"
+        reason += f" and {source_config.origin}"
     listed = " ".join(f"{k}={v}" for k, v in overrides.items())
     if overrides:  # a config.json's every argument would make the summary line a paragraph: counted instead
         reason += f", with {listed}" if len(listed) <= MAX_LISTED else f", with {len(overrides)} model arguments"
     pretrained = (source_config.pretrained_cfg if source_config else None) or _pretrained_cfg(name, tag)
-    return Identity(name, tag, config, reason, pretrained)
+    return IdentifiedModel(name, tag, config, reason, pretrained)
+
+
+def _refuse_misfit(native: Plan, config: VitLsConfig, name: str, said: str) -> None:
+    infos = {k: native.info(k) for k in native}
+    found, _ = differences(infos, expected_state(config), name)
+    if found:
+        more = f" ({len(found) - 1} more keys differ)" if len(found) > 1 else ""
+        raise CheckpointError(
+            f"{said}: {found[0]}{more}; pass --model NAME and --model-kwargs for what differs (e.g. "
+            f"embed_dim=... depth=... num_heads=...)"
+        )
 
 
 def _pretrained_cfg(name: str, tag: str | None) -> dict[str, Any]:
@@ -236,3 +255,38 @@ def _pretrained_cfg(name: str, tag: str | None) -> dict[str, Any]:
     if not tag:
         values.pop("tag", None)
     return values
+
+
+@dataclass
+class IdentifiedCheckpoint:
+    """A checkpoint identified: its format, its weights in native keys, and the model they are."""
+
+    format: Format
+    native: Plan
+    model: IdentifiedModel
+
+
+def identify_checkpoint(
+    ckpt: LazyCheckpoint,
+    model: str | None = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    fuse_layerscale: bool = False,
+    prepare: Callable[[Plan], Plan] | None = None,
+) -> IdentifiedCheckpoint:
+    """Recognises a checkpoint's format, maps its keys to native ones (then `prepare`s them, e.g. fewer blocks)
+    and names the model they are by `identify`'s precedence, with what the checkpoint records of itself."""
+    source_format = recognise(ckpt)
+    native = source_format.table.to_native(ckpt)
+    if prepare is not None:
+        native = prepare(native)
+    recorded = recorded_config(ckpt)
+    found = identify(native, model, model_kwargs, recorded, fuse_layerscale, source_format.unheld_args)
+    return IdentifiedCheckpoint(source_format, native, found)
+
+
+def recorded_config(ckpt: LazyCheckpoint) -> SourceConfig | None:
+    """What a checkpoint records of its model: its folder's config.json, else what train.py saved in it."""
+    if ckpt.hub_config:
+        return source_config(ckpt.hub_config)
+    found = source_config(ckpt.recorded) if ckpt.recorded else None
+    return dataclasses.replace(found, origin="the checkpoint (train.py's args)") if found else None

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import weakref
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from support import (
     transformers_reference,
 )
 from support.hub_server import LocalHub, hub_env
+from timm.utils import CheckpointSaver
 from transformers import DINOv3ViTModel
 
 from timm_layerscale import (
@@ -561,17 +563,54 @@ def test_rename_layer_scale_refuses_ambiguity():
 
 @pytest.mark.parametrize("source", ["hf", "native", "timm"])
 def test_a_folders_config_json_names_the_architecture(source, tmp_path, images):
-    """No --model: transformers' config gives the heads, ours and timm's the variant and args."""
+    """No --model: transformers' config gives the heads (the variant is the nearest by shape), ours and timm's
+    record the variant and its args."""
     src, expected = make_source(source if source != "timm" else "meta", tmp_path)
     folder = src.parent
     if source == "timm":
         convert(src, tmp_path / "eva", "timm")
         folder = tmp_path / "eva"
     result = convert_checkpoint(folder, tmp_path / "out", to="native")
-    assert result.reason.startswith("from the shapes and config.json")
-    assert result.variant == "vit_ls_small_patch16_dinov3"  # the nearest by the weights' shapes, whatever the config
+    recorded = source != "hf"
+    assert result.reason.startswith("recorded in config.json" if recorded else "from the shapes and config.json")
+    assert result.variant == "vit_ls_small_patch16_dinov3"
     assert result.model_args["num_heads"] == 4  # from the config (the variant's own is 6)
     assert_fp32_close(tokens_from("native", tmp_path / "out", "mlp")(images), expected(images))
+
+
+def train_py_checkpoint(model: torch.nn.Module, folder: Path, model_kwargs: dict) -> Path:
+    """What timm's train.py saves, by timm's own CheckpointSaver: `arch`, its args and the state dicts."""
+    folder.mkdir()
+    args = Namespace(model=VARIANT["mlp"], model_kwargs=model_kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saver = CheckpointSaver(model, optimizer, args=args, checkpoint_dir=str(folder), recovery_dir=str(folder))
+    saver.save_checkpoint(epoch=0, metric=0.5)
+    return folder / "last.pth.tar"
+
+
+def test_the_architecture_a_checkpoint_records_names_its_variant(tmp_path, images):
+    """A train.py checkpoint records `arch` (and the model kwargs it was built with): that names the variant,
+    the recorded kwargs complete it, and the caller's --model-kwargs never name another."""
+    model = ours()
+    ckpt = train_py_checkpoint(model, tmp_path / "run", dict(TINY))
+    result = convert_checkpoint(ckpt, tmp_path / "out.pth", to="meta")
+    assert result.variant == VARIANT["mlp"] and result.reason.startswith("recorded in the checkpoint")
+    assert_fp32_close(tokens_from("meta", tmp_path / "out.pth", "mlp")(images), model.forward_features(images))
+    again = convert_checkpoint(ckpt, tmp_path / "again.pth", to="meta", model_kwargs=dict(TINY))
+    assert again.variant == VARIANT["mlp"]
+    bare = train_py_checkpoint(model, tmp_path / "bare", {})  # the arch alone: its shapes are not the weights'
+    with pytest.raises(CheckpointError, match=f"the checkpoint records {VARIANT['mlp']}, whose shapes differ"):
+        convert_checkpoint(bare, tmp_path / "bare.pth", to="meta")
+    assert convert_checkpoint(bare, tmp_path / "b.pth", to="meta", model_kwargs=dict(TINY)).variant == VARIANT["mlp"]
+
+
+def test_model_kwargs_complete_the_nearest_variant_and_never_pick_another(tmp_path):
+    """Kwargs that make every variant the weights' shape leave the one nearest the weights alone named."""
+    src, _ = make_source("meta", tmp_path)
+    with pytest.raises(CheckpointError, match=f"the nearest is {VARIANT['mlp']}"):
+        convert_checkpoint(src, tmp_path / "refused.pth", to="meta")
+    result = convert_checkpoint(src, tmp_path / "out.pth", to="meta", model_kwargs=dict(TINY))
+    assert result.variant == VARIANT["mlp"] and result.reason.startswith("from the shapes")
 
 
 def test_a_yaml_variant_converts_without_being_registered(tmp_path, images):

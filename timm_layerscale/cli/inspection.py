@@ -20,10 +20,10 @@ import torch
 
 from timm_ls.names import is_variant_file
 
-from ..checkpoints import CheckpointError, recognise, source_config
+from ..checkpoints import CheckpointError
 from ..checkpoints.read.reader import LazyCheckpoint, open_checkpoint
 from ..hub import HubError, fetch_hub_weights
-from ..identity import identify
+from ..identity import identify_checkpoint
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
 from ..variants import VARIANTS, ungated_tag
 from .common import CliError, parse_model_kwargs, quiet_hub
@@ -127,13 +127,10 @@ def _identified(ckpt: LazyCheckpoint) -> dict[str, str]:
     """`{"model": ...}`: the variant a DINOv3 checkpoint's weights are, by the one rule convert and export use;
     nothing for other checkpoints (DeiT-III, CaiT, ...) or weights no variant fits."""
     try:
-        fmt = recognise(ckpt)
-        identity = identify(
-            fmt.table.to_native(ckpt), source_config=source_config(ckpt.hub_config), unheld=fmt.unheld_args
-        )
+        identified = identify_checkpoint(ckpt).model
     except (CheckpointError, ValueError):
         return {}
-    return {"model": f"{identity.full_name} ({identity.reason})"}
+    return {"model": f"{identified.full_name} ({identified.reason})"}
 
 
 def resolve(args: argparse.Namespace, stack: ExitStack) -> tuple[Mapping[str, torch.Tensor], dict[str, str]]:

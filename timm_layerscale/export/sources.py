@@ -15,10 +15,10 @@ from torch import nn
 
 from timm_ls.names import is_variant_file
 
-from ..checkpoints import CheckpointError, Fitted, open_checkpoint, plan_load, recognise, source_config
+from ..checkpoints import CheckpointError, Fitted, open_checkpoint, plan_load
 from ..checkpoints.mapping.plan import Plan, passthrough
 from ..config import VitLsConfig
-from ..identity import identify
+from ..identity import identify_checkpoint
 from ..loading import pretrained_source
 from ..model import VisionTransformerLS
 from ..variants import VARIANTS, VariantNameError, close_variant_names, find_variant, register_variant
@@ -99,20 +99,14 @@ def _named(base: str, tag: str | None, model_kwargs: Mapping[str, Any], pretrain
 
 
 def _streamed(path: Path, model: str | None, model_kwargs: Mapping[str, Any], weights: str) -> Source:
+    depth = model_kwargs.get("depth")
+    fewer = isinstance(depth, int) and not isinstance(depth, bool) and depth > 0
     with open_checkpoint(path) as ckpt:
-        fmt = recognise(ckpt)
-        native = fmt.table.to_native(ckpt)
-        depth = model_kwargs.get("depth")
-        if isinstance(depth, int) and not isinstance(depth, bool) and depth > 0:
-            native = first_blocks(native, depth)
         try:
-            identity = identify(
-                native,
-                model,
-                model_kwargs,
-                source_config(ckpt.hub_config),
-                unheld=fmt.unheld_args,
+            found = identify_checkpoint(
+                ckpt, model, model_kwargs, prepare=(lambda native: first_blocks(native, depth)) if fewer else None
             )
         except CheckpointError as exc:
             raise ExportError(str(exc)) from None
-    return Source(identity.full_name, identity.config, identity.pretrained_cfg, weights, checkpoint=path)
+    identified = found.model
+    return Source(identified.full_name, identified.config, identified.pretrained_cfg, weights, checkpoint=path)

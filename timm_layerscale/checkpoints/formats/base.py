@@ -36,11 +36,15 @@ _SOURCE_FIELDS = ("url", "hf_hub_id", "hf_hub_filename", "source", "file", "stat
 
 @dataclass(frozen=True)
 class SourceConfig:
-    """What a config file travelling with a checkpoint says: model args and the pretrained cfg (data config,
-    licence) it completes the weights with. It never names the variant: the weights' shapes do."""
+    """What a checkpoint says of its model (a config.json beside it, or what train.py records in it): model
+    args and the pretrained cfg (data config, licence) completing the weights, and the variant of ours it
+    records (`architecture`, in our names: a format translates its own), which names the model unless the
+    caller names one. `origin` says where it was read, for the summary line."""
 
     args: dict[str, Any]
     pretrained_cfg: dict[str, Any] | None = None
+    architecture: str | None = None
+    origin: str = "config.json"
 
 
 @dataclass

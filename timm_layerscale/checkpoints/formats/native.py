@@ -81,7 +81,7 @@ class Native(Format):
             return None
         fields = set(VitLsConfig.field_names())
         args = {k: v for k, v in cfg["model_args"].items() if k in fields}
-        return SourceConfig(args, dict(cfg.get("pretrained_cfg") or {}))
+        return SourceConfig(args, dict(cfg.get("pretrained_cfg") or {}), str(cfg["architecture"]))
 
     def export(self, job: Job) -> Export:
         tensors, config = job.tensors, job.config

@@ -198,11 +198,15 @@ class TimmEva(Format):
         return "reg_token" in keys or any(k.endswith(eva_keys) for k in keys)
 
     def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
-        eva_names = set(EVA_ARCHITECTURES.values())
-        if str(cfg.get("architecture")).removesuffix("_qkvb") not in eva_names:
+        ours = {eva: variant for variant, eva in EVA_ARCHITECTURES.items()}
+        variant = ours.get(str(cfg.get("architecture")).removesuffix("_qkvb"))
+        if variant is None:
             return None
+        args = cfg.get("model_args")
         return SourceConfig(
-            read_fields(CONFIG_FIELDS, cfg.get("model_args") or {}), dict(cfg.get("pretrained_cfg") or {})
+            read_fields(CONFIG_FIELDS, args if isinstance(args, Mapping) else {}),
+            dict(cfg.get("pretrained_cfg") or {}),
+            variant,
         )
 
     def export(self, job: Job) -> Export:

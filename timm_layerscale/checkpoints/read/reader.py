@@ -71,7 +71,8 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
 
     `kind` says what the source is (`KIND_*`), `weights` which set was taken; `info(key)` gives the shape and
     dtype without reading, `nbytes` the size of the set. `files` are the files it reads and `hub_config` the
-    parsed `config.json` of a Hub-layout folder. `heads` holds the set's `dino_head.*`/`ibot_head.*` tensors
+    parsed `config.json` of a Hub-layout folder; `recorded` what a train.py checkpoint records of its model, in
+    config.json's words (`architecture`, `model_args`). `heads` holds the set's `dino_head.*`/`ibot_head.*` tensors
     when they were asked for (else None). Tensors may be views of the mapped file: clone before
     changing one in place. Use it as a context manager, or `close()` it, to release the files.
     """
@@ -87,12 +88,14 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         hub_config: dict[str, Any] | None = None,
         files: tuple[Path, ...] = (),
         heads: LazyCheckpoint | None = None,
+        recorded: dict[str, Any] | None = None,
     ) -> None:
         self.path = path
         self.heads = heads
         self.kind = kind
         self.weights = weights
         self.hub_config = hub_config
+        self.recorded = recorded
         self.files = files
         self._infos = infos
         self._read = read
@@ -144,6 +147,7 @@ class _Flat:
     files: tuple[Path, ...]
     close: Callable[[], None] = lambda: None
     hub_config: dict[str, Any] | None = None
+    recorded: dict[str, Any] | None = None  # what a training checkpoint says of its model (`recorded_model`)
 
 
 def _is_container(top: set[str]) -> bool:
@@ -310,7 +314,19 @@ def _flat_torch(path: Path, legacy: bool) -> _Flat:
             tree = torch.load(path, map_location="cpu", mmap=not legacy, weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ... for refused or damaged files
         raise torch_load_error(path, exc) from exc
-    return _flat_tree(tree, KIND_LEGACY_TORCH if legacy else KIND_TORCH, str(path), (path,))
+    flat = _flat_tree(tree, KIND_LEGACY_TORCH if legacy else KIND_TORCH, str(path), (path,))
+    flat.recorded = recorded_model(tree)
+    return flat
+
+
+def recorded_model(tree: Any) -> dict[str, Any] | None:
+    """What timm's train.py records of the model beside its weights, in the words of timm's config.json:
+    `{"architecture": args.model, "model_args": args.model_kwargs}`; None for any other file."""
+    arch = tree.get("arch") if isinstance(tree, Mapping) else None
+    if not isinstance(arch, str):
+        return None
+    kwargs = getattr(tree.get("args"), "model_kwargs", None)
+    return {"architecture": arch, "model_args": dict(kwargs) if isinstance(kwargs, Mapping) else {}}
 
 
 def _flat_dcp(folder: Path) -> _Flat:
@@ -464,5 +480,14 @@ def open_checkpoint(
         kept = LazyCheckpoint(path, flat.kind, taken, head_infos, lambda k: flat.read(head_keys[k]))
     infos = {k: flat.infos[f] for k, f in keys.items()}
     return LazyCheckpoint(
-        path, flat.kind, taken, infos, lambda k: flat.read(keys[k]), flat.close, flat.hub_config, flat.files, kept
+        path,
+        flat.kind,
+        taken,
+        infos,
+        lambda k: flat.read(keys[k]),
+        flat.close,
+        flat.hub_config,
+        flat.files,
+        kept,
+        flat.recorded,
     )
