@@ -30,8 +30,9 @@ from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 import timm_layerscale
 from timm_layerscale.checkpoints.formats.base import hidden_features
-from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
-from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS, transformers_config
+from timm_layerscale.checkpoints.formats.hf import HF as HF_FORMAT
+from timm_layerscale.checkpoints.formats.hf import transformers_config
+from timm_layerscale.checkpoints.formats.timm import TIMM
 
 from .cpu import cpu_model
 
@@ -259,13 +260,13 @@ def build_trio(variant: str, device: torch.device, overrides: dict) -> dict[str,
         randomise_(ours)
         native = ours.state_dict()
         eva = timm.create_model(EVA_FORMS[variant][0], global_pool="token", num_classes=0, **overrides)
-        eva_state, _ = TIMM_EVA.table.from_native(native, qkv_bias=False)
+        eva_state, _ = TIMM.table.from_native(native, qkv_bias=False)
         load_exact(eva, dict(eva_state.items()))
         fields = transformers_config(ours.config, k_bias=False, dtype=torch.float32)
         config = DINOv3ViTConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
         config._attn_implementation = "sdpa"
         hf = DINOv3ViTModel(config)
-        hf_state, _ = TRANSFORMERS.table.from_native(native, k_bias=False)
+        hf_state, _ = HF_FORMAT.table.from_native(native, k_bias=False)
         load_exact(hf, dict(hf_state.items()))
     return {OURS: ours.eval(), EVA: eva.eval(), HF: hf.eval()}
 

@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from timm_layerscale import fold_layer_scale, shard_model
-from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
+from timm_layerscale.checkpoints.formats.timm import TIMM
 from timm_layerscale.layers import RopeEmbedding, apply_rope
 from timm_layerscale.layers.attention import rotate_queries_keys
 from timm_layerscale.layers.rope import apply_rope_low_precision
@@ -348,7 +348,7 @@ def bench_load(args, device, budget, results, overrides) -> None:
         start = time.perf_counter()
         with torch.device(device):
             source = randomise_(timm.create_model(ours_name("huge_plus"), num_classes=0, **overrides))
-        state, _ = TIMM_EVA.table.from_native(source.state_dict(), qkv_bias=True)
+        state, _ = TIMM.table.from_native(source.state_dict(), qkv_bias=True)
         save_file({k: v.to(dtype).cpu().contiguous() for k, v in state.items()}, str(path))
         del source, state
         echo(f"  wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s")

@@ -26,7 +26,7 @@ from timm_ls.names import CAST_DTYPES, KEEP, WEIGHTS_SETS
 
 from .checkpoints.dtypes import cast_dtype
 from .checkpoints.errors import CheckpointError
-from .checkpoints.formats import Export, Format, Job, requested
+from .checkpoints.formats import Format, Job, WritePlan, target_format
 from .checkpoints.mapping.fit import Fitted, fit_to_model
 from .checkpoints.mapping.plan import PERIODS, Plan, cast_plan, dominant_dtype
 from .checkpoints.read.reader import LazyCheckpoint, open_checkpoint
@@ -137,7 +137,7 @@ class Planned:
     source: Format
     identity: IdentifiedModel
     fitted: Fitted
-    export: Export
+    export: WritePlan
 
     def conversion(
         self, src: Any, ckpt: LazyCheckpoint, request: _Request, warnings: list[str], seconds: float
@@ -202,7 +202,7 @@ def _checked_request(
     when `overwrite` is given (a plan alone writes nothing)."""
     if weights not in WEIGHTS_SETS:
         raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS_SETS)}")
-    target, checked = requested(to, options, dst if overwrite is not None else None, bool(overwrite))
+    target, checked = target_format(to, options, dst if overwrite is not None else None, bool(overwrite))
     dtype = dtype or target.default_dtype
     if dtype not in (KEEP, *CAST_DTYPES):
         raise CheckpointError(f"unknown dtype {dtype!r}; pass --dtype one of {', '.join((KEEP, *CAST_DTYPES))}")
@@ -216,7 +216,7 @@ def _planned(
     request: _Request,
     heads: LazyCheckpoint | None,
     max_shard_size: int | str,
-) -> tuple[Fitted, Export]:
+) -> tuple[Fitted, WritePlan]:
     """The checkpoint fitted to its model, cast, and mapped to the target's keys: all planned, nothing read."""
     fill_dtype = request.cast or dominant_dtype(native)
     fitted = fit_to_model(
@@ -240,10 +240,10 @@ def _planned(
         heads=heads,
         options=request.options,
     )
-    return fitted, request.target.export(job)
+    return fitted, request.target.plan_write(job)
 
 
-def _write(export: Export, request: _Request, overwrite: bool, progress: bool | None) -> None:
+def _write(export: WritePlan, request: _Request, overwrite: bool, progress: bool | None) -> None:
     """The target's files into a temporary name, renamed to `dst` when complete."""
     total = export.tensors.nbytes
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()

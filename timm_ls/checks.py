@@ -22,6 +22,8 @@ from .names import (
     FORMATS,
     KEEP,
     WEIGHTS_SETS,
+    FormatSpec,
+    format_spec,
     is_variant_file,
     suffix_of,
 )
@@ -81,18 +83,27 @@ def _plot(args: argparse.Namespace) -> None:
 
 
 def check_convert(args: argparse.Namespace) -> None:
-    spec = next((s for s in FORMATS if s.name == args.to), None)
     _choice(args.to, "--to", FORMAT_NAMES, "target")
+    spec = format_spec(args.to)
     _choice(args.dtype, "--dtype", (KEEP, *CAST_DTYPES), "dtype")
     _choice(args.weights, "--weights", WEIGHTS_SETS, "weights set")
-    if args.to != "meta-train" and (args.meta_config or args.distill_teacher):
-        raise CliError("--meta-config and --distill-teacher are for --to meta-train")
+    _format_options(args, spec)
     _require(CHECKPOINT, args.src)
     _model_source(args.model, VARIANT_FILE)
-    _require("Meta training YAML", args.meta_config)
+    for option in spec.options:
+        if option.file:
+            _require(option.file, getattr(args, option.dest))
     problem = format_destination_problem(spec, args.dst, overwrite=args.overwrite)
     if problem:
         raise CliError(problem)
+
+
+def _format_options(args: argparse.Namespace, spec: FormatSpec) -> None:
+    """An option of another format's, set: one line naming the format that takes it."""
+    for other in FORMATS:
+        given = [o.flag for o in other.options if other is not spec and getattr(args, o.dest) != o.default]
+        if given:
+            raise CliError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} for --to {other.name}")
 
 
 def check_export(args: argparse.Namespace) -> None:

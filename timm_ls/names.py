@@ -8,8 +8,25 @@ at once); the package's format registry and writers take the same names and rule
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 FOLDER, FILE, FILE_OR_FOLDER = "folder", "file", "file or folder"
+
+
+@dataclass(frozen=True)
+class FormatOption:
+    """An option of one format's own: `convert --FLAG` on the command line, `convert_checkpoint(dest=...)` in
+    Python. `file` names what the value is when it must be an existing file (checked before torch)."""
+
+    flag: str
+    default: Any
+    help: str
+    metavar: str | None = None
+    file: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
 
 
 @dataclass(frozen=True)
@@ -24,6 +41,12 @@ class FormatSpec:
     description: str
     writes: str
     suffixes: tuple[str, ...] = ()
+    options: tuple[FormatOption, ...] = ()  # its own options, in the command's group `options_title`
+    options_title: str = ""
+
+    @property
+    def option_defaults(self) -> dict[str, Any]:
+        return {option.dest: option.default for option in self.options}
 
     def writes_folder(self, name: str) -> bool:
         """Whether this format writes a folder at a destination called `name`."""
@@ -39,19 +62,43 @@ TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 # Suffixes that name a file, never a folder a writer makes.
 FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors", ".onnx", ".ckpt", ".tar", ".json", ".yaml", ".yml", ".png", ".csv")
 
-FORMATS = (
-    FormatSpec("native", "this package's layout with a timm config.json", FOLDER),
-    FormatSpec("meta", "Meta's DINOv3 keys in one .pth or .safetensors file", FILE, (*TORCH_SUFFIXES, ".safetensors")),
-    FormatSpec(
-        "meta-train",
-        "what Meta's DINOv3 trainer loads: backbone and heads, a .pth or a distributed checkpoint folder",
-        FILE_OR_FOLDER,
-        (".pth",),
-    ),
-    FormatSpec("hf", "transformers' DINOv3ViTModel folder", FOLDER),
-    FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER),
+# Each format's spec, by the name its module takes it by; FORMATS in the order the command lists them.
+NATIVE_SPEC = FormatSpec("native", "this package's layout with a timm config.json", FOLDER)
+META_SPEC = FormatSpec(
+    "meta", "Meta's DINOv3 keys in one .pth or .safetensors file", FILE, (*TORCH_SUFFIXES, ".safetensors")
 )
+META_TRAIN_SPEC = FormatSpec(
+    "meta-train",
+    "what Meta's DINOv3 trainer loads: backbone and heads, a .pth or a distributed checkpoint folder",
+    FILE_OR_FOLDER,
+    (".pth",),
+    options=(
+        FormatOption(
+            "--meta-config",
+            None,
+            "Meta's training YAML: new heads get its dino:/ibot: head sizes (merged over Meta's defaults); "
+            "carried heads must match them",
+            metavar="FILE.yaml",
+            file="Meta training YAML",
+        ),
+        FormatOption("--seed", 0, "seed of new heads (default 0)"),
+        FormatOption(
+            "--distill-teacher",
+            False,
+            "the checkpoint is for distillation.checkpoint_path: a source without heads warns (--strict refuses)",
+        ),
+    ),
+    options_title="meta-train (what Meta's DINOv3 trainer resumes, distils and gram-anchors from)",
+)
+HF_SPEC = FormatSpec("hf", "transformers' DINOv3ViTModel folder", FOLDER)
+TIMM_SPEC = FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER)
+FORMATS = (NATIVE_SPEC, META_SPEC, META_TRAIN_SPEC, HF_SPEC, TIMM_SPEC)
 FORMAT_NAMES = tuple(spec.name for spec in FORMATS)
+
+
+def format_spec(name: str) -> FormatSpec | None:
+    return next((spec for spec in FORMATS if spec.name == name), None)
+
 
 # dtype names of `convert --dtype` and `export --dtype`; "keep" leaves each tensor's own.
 KEEP = "keep"

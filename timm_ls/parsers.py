@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS
+from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS, FormatSpec
 from .paths import experiments_dir
 
 DESCRIPTION = "DINOv3-style ViTs with LayerScale for timm, and LayerScale made visible"
@@ -188,22 +188,24 @@ def add_convert(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="refuse NaN/Inf gammas, outputs the target changes and (meta-train) what Meta's backbone cannot hold",
     )
-    meta = parser.add_argument_group("meta-train (what Meta's DINOv3 trainer resumes, distils and gram-anchors from)")
-    meta.add_argument(
-        "--meta-config",
-        metavar="FILE.yaml",
-        help="Meta's training YAML: new heads get its dino:/ibot: head sizes (merged over Meta's defaults); "
-        "carried heads must match them",
-    )
-    meta.add_argument("--seed", type=int, default=0, help="seed of new heads (default 0)")
-    meta.add_argument(
-        "--distill-teacher",
-        action="store_true",
-        help="the checkpoint is for distillation.checkpoint_path: a source without heads warns (--strict refuses)",
-    )
+    for spec in FORMATS:
+        _add_format_options(parser, spec)
     parser.add_argument(
         "--json", action="store_true", help="print what was done as JSON, every model argument included"
     )
+
+
+def _add_format_options(parser: argparse.ArgumentParser, spec: FormatSpec) -> None:
+    """A format's own options as a group of `convert`: a flag for a boolean, a typed value otherwise."""
+    if not spec.options:
+        return
+    group = parser.add_argument_group(spec.options_title)
+    for option in spec.options:
+        if isinstance(option.default, bool):
+            group.add_argument(option.flag, action="store_true", help=option.help)
+        else:
+            kind = type(option.default) if option.default is not None else str
+            group.add_argument(option.flag, type=kind, default=option.default, metavar=option.metavar, help=option.help)
 
 
 def add_export(commands: argparse._SubParsersAction) -> None:

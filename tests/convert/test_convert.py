@@ -44,9 +44,9 @@ from timm_layerscale import (
     rename_layer_scale,
 )
 from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo, open_checkpoint
+from timm_layerscale.checkpoints.formats.hf import HF
 from timm_layerscale.checkpoints.formats.meta import META
-from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
-from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS
+from timm_layerscale.checkpoints.formats.timm import TIMM
 from timm_layerscale.checkpoints.mapping.gamma_keys import GAMMA_SPELLINGS
 from timm_layerscale.identity import expected_state, identify
 from timm_layerscale.publish import save_native
@@ -294,7 +294,7 @@ def test_a_shape_eva_has_no_architecture_for_fails_clearly(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-@pytest.mark.parametrize("layout", [META, TRANSFORMERS, TIMM_EVA])
+@pytest.mark.parametrize("layout", [META, HF, TIMM])
 def test_variant_is_inferred_from_the_shapes(name, layout):
     """Released shapes (the 7B too) on the meta device, in each layout: the variant comes back."""
     config = VARIANTS[name].config.replace(num_classes=0)

@@ -22,9 +22,9 @@ from support import FIXTURES, assert_fp32_close
 
 from timm_layerscale import VARIANTS, VisionTransformerLS, convert_checkpoint
 from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo
+from timm_layerscale.checkpoints.formats.hf import HF
 from timm_layerscale.checkpoints.formats.meta_train import META_ARCHS, META_SWIGLU
-from timm_layerscale.checkpoints.formats.timm_eva import TIMM_EVA
-from timm_layerscale.checkpoints.formats.transformers import TRANSFORMERS
+from timm_layerscale.checkpoints.formats.timm import TIMM
 from timm_layerscale.convert import plan_conversion
 from timm_layerscale.identity import expected_state
 
@@ -39,14 +39,14 @@ CASES = [
 SMALL_ENOUGH_TO_MAKE = 1 << 16  # elements: gammas and biases are made for the checks that read them
 
 
-def timm_plain_file(name: str, fmt=TIMM_EVA, **options) -> LazyCheckpoint:
-    """What timm's plain eva file of a variant holds (or another format's, `fmt`), by key, shape and dtype, on
+def timm_plain_file(name: str, layout=TIMM, **options) -> LazyCheckpoint:
+    """What timm's plain eva file of a variant holds (or another format's, `layout`), by key, shape and dtype, on
     the meta device: no qkv biases, no mask token, periods or local-cls norm. Only the small tensors a
     conversion reads are made."""
     variant, _, tag = name.partition(".")
     args = {**VARIANTS[variant].model_args, **VARIANTS[variant].tag_model_args(tag or None), "num_classes": 0}
     state = expected_state(VARIANTS[variant].config.replace(**args))
-    eva, _ = fmt.table.from_native(state, **(options or {"qkv_bias": False}))
+    eva, _ = layout.table.from_native(state, **(options or {"qkv_bias": False}))
     infos = {k: eva.info(k) for k in eva}
 
     def read(key: str) -> torch.Tensor:
@@ -83,7 +83,7 @@ def test_a_transformers_file_to_meta_takes_the_local_crop_norm_from_the_tag(name
         for b, entry in BUILDERS.items()
         if name.partition(".")[0] == entry["our_variant"] and name.partition(".")[2] in entry["our_tags"]
     )
-    source = timm_plain_file(name, TRANSFORMERS, k_bias=False)
+    source = timm_plain_file(name, HF, k_bias=False)
     assert not any("local_cls_norm" in key for key in source)
     planned = plan_conversion(source, "out.pth", to="meta", model=name, dtype="fp32")
     assert set(planned.export.tensors.infos) == set(meta_keys(builder))

@@ -36,7 +36,7 @@ from timm_layerscale.checkpoints.formats.meta_train import (
 )
 from timm_layerscale.checkpoints.read.dcp.reader import METADATA_FILE, MetadataUnpickler, read_metadata
 from timm_layerscale.checkpoints.write.dcp import write_dcp
-from timm_layerscale.identity import Identity
+from timm_layerscale.identity import IdentifiedModel
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
 from timm_ls.main import main
@@ -255,11 +255,11 @@ def test_head_sizes_come_from_the_config_merged_over_metas_defaults(tmp_path):
 def test_released_shapes_get_the_released_heads():
     for name in ("vit_ls_small_patch16_dinov3", "vit_ls_7b_patch16_dinov3", "vit_ls_huge_plus_patch16_dinov3"):
         config = VARIANTS[name].config
-        assert Identity(name, None, config, "given").released
+        assert IdentifiedModel(name, None, config, "given").released
         smaller = type(config).from_dict({**config.to_dict(), "depth": 2})
-        assert not Identity(name, None, smaller, "given").released
+        assert not IdentifiedModel(name, None, smaller, "given").released
         wider = type(config).from_dict({**config.to_dict(), "embed_dim": config.embed_dim * 2})
-        assert not Identity(name, None, wider, "given").released
+        assert not IdentifiedModel(name, None, wider, "given").released
 
 
 # ----------------------------------------------------------------------------------- the DCP folder
@@ -455,7 +455,11 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
     )
     cases["other_target"] = (
         ["convert", str(src), str(tmp_path / "x"), "--to", "native", "--meta-config", str(other)],
-        "--meta-config and --distill-teacher are for --to meta-train",
+        "--meta-config is for --to meta-train",
+    )
+    cases["other_target_options"] = (
+        ["convert", str(src), str(tmp_path / "x"), "--to", "hf", "--seed", "3", "--distill-teacher"],
+        "--seed and --distill-teacher are for --to meta-train",
     )
     return cases
 

@@ -14,7 +14,7 @@ from support import TINY, VARIANT, assert_fp32_close, move_off_init_
 
 from timm_layerscale import FORMATS, CheckpointError, Format, convert_checkpoint, register_format
 from timm_layerscale.checkpoints.formats import recognise
-from timm_layerscale.checkpoints.formats.base import Export, Job, losses
+from timm_layerscale.checkpoints.formats.base import Job, WritePlan, not_held_report
 from timm_layerscale.checkpoints.formats.meta import NATIVE_KEYS
 from timm_layerscale.checkpoints.mapping.keys import KeyTable, row
 from timm_layerscale.checkpoints.write.writers import write_safetensors
@@ -41,22 +41,21 @@ class Flat(Format):
             if not key.startswith(("mask_token", "rope_")) and key != "blocks.{i}.attn.qkv.bias_mask"
         )
     )
-    always_layer_scale = False
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return any(key.startswith("trunk.") for key in keys)
 
-    def export(self, job: Job) -> Export:
+    def plan_write(self, job: Job) -> WritePlan:
         out, unheld = self.table.from_native(job.tensors)
-        not_held, warnings = losses(unheld, self.name)
-        return Export(out, lambda tmp, bar: write_safetensors(tmp, out, progress=bar), not_held, warnings)
+        not_held, warnings = not_held_report(unheld, self.name)
+        return WritePlan(out, lambda tmp, bar: write_safetensors(tmp, out, progress=bar), not_held, warnings)
 
 
 @pytest.fixture
 def flat():
-    fmt = register_format(Flat())
-    yield fmt
-    del FORMATS[fmt.name]
+    checkpoint_format = register_format(Flat())
+    yield checkpoint_format
+    del FORMATS[checkpoint_format.name]
 
 
 def source(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
@@ -111,13 +110,13 @@ class Marked(Flat):
 
 
 def test_a_format_registered_later_is_asked_before_the_shipped_ones():
-    fmt = register_format(Marked())
+    checkpoint_format = register_format(Marked())
     try:
         keys = {"storage_tokens": torch.zeros(1, 4, 8), "blocks.0.ls1.gamma": torch.zeros(8), "marker": torch.zeros(1)}
-        assert recognise(keys) is fmt
+        assert recognise(keys) is checkpoint_format
         assert recognise({k: v for k, v in keys.items() if k != "marker"}).name == "meta"
     finally:
-        del FORMATS[fmt.name]
+        del FORMATS[checkpoint_format.name]
 
 
 def test_transformers_blocks_are_recognised_as_transformers_5_names_them_in_memory():

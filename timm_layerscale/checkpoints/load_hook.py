@@ -38,14 +38,14 @@ def plan_load(
     changes the checkpoint in native keys before it is fitted (pretrained loading adapts head and stem there).
     """
     source = checkpoint if isinstance(checkpoint, LazyCheckpoint) else open_checkpoint(checkpoint)
-    fmt = recognise(source)
+    checkpoint_format = recognise(source)
     name = getattr(model, "pretrained_cfg", {}).get("architecture") or type(model).__name__
     config = getattr(model, "config", None)
-    native = fmt.table.to_native(source)
+    native = checkpoint_format.table.to_native(source)
     return fit_to_model(
         prepare(native) if prepare else native,
         model.state_dict(),
-        layout=fmt.title,
+        layout=checkpoint_format.title,
         model_name=name,
         config=config,
         reinit_layer_scale=pretrained and getattr(config, "reinit_layer_scale", False),

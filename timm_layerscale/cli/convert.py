@@ -7,6 +7,8 @@ import json
 import sys
 from dataclasses import asdict
 
+from timm_ls.names import format_spec
+
 from ..convert import convert_checkpoint
 from .common import parse_model_kwargs
 
@@ -25,9 +27,7 @@ def execute(args: argparse.Namespace) -> int:
         fuse_layerscale=args.fuse_layerscale,
         overwrite=args.overwrite,
         strict=args.strict,
-        meta_config=args.meta_config,
-        seed=args.seed,
-        distill_teacher=args.distill_teacher,
+        **{option.dest: getattr(args, option.dest) for option in format_spec(args.to).options},
     )
     for warning in result.warnings:
         print(f"timm-ls: warning: {warning}", file=sys.stderr)

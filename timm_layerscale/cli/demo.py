@@ -27,7 +27,7 @@ from tqdm import tqdm
 from timm_ls import paths
 
 from ..tools.experiment import Experiment, check, load_experiment
-from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, fmt, gamma_stats
+from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, gamma_stats, short_number
 from ..tools.shapes import Shapes, make_shapes
 from ..tools.trainer import TrainResult, evaluate, train
 from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
@@ -213,7 +213,9 @@ def _text_report(run: _Run, changes: list, plot_line: str) -> str:
     for label, branches in changes:
         row = [label]
         for c in branches.values():
-            row += ["off", "", ""] if c is None else [fmt(c[0].mean), fmt(c[1].mean), fmt(c[2])]
+            row += (
+                ["off", "", ""] if c is None else [short_number(c[0].mean), short_number(c[1].mean), short_number(c[2])]
+            )
         rows.append(row)
     loudest = max(
         ((label, b, c[1].mean) for label, branches in changes for b, c in branches.items() if c is not None),

@@ -24,7 +24,7 @@ from ..checkpoints import CheckpointError
 from ..checkpoints.read.reader import LazyCheckpoint, open_checkpoint
 from ..hub import HubError, fetch_hub_weights
 from ..identity import identify_checkpoint
-from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, fmt, gamma_stats
+from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, gamma_stats, short_number
 from ..variants import VARIANTS, ungated_tag
 from .common import CliError, parse_model_kwargs, quiet_hub
 from .common import resolve_variant as resolve_vit_ls
@@ -171,10 +171,11 @@ def _summary(blocks: list[BlockGammas]) -> list[str]:
             continue
         low, high = min(stats, key=lambda t: t[1].mean), max(stats, key=lambda t: t[1].mean)
         muted = sum(s.muted * s.channels for _, s in stats) / sum(s.channels for _, s in stats)
-        if fmt(low[1].mean) == fmt(high[1].mean):
-            spread = f"{fmt(low[1].mean)} in every block"
+        if short_number(low[1].mean) == short_number(high[1].mean):
+            spread = f"{short_number(low[1].mean)} in every block"
         else:
-            spread = f"from {fmt(low[1].mean)} ({block_name(low[0])}) to {fmt(high[1].mean)} ({block_name(high[0])})"
+            lowest, highest = short_number(low[1].mean), short_number(high[1].mean)
+            spread = f"from {lowest} ({block_name(low[0])}) to {highest} ({block_name(high[0])})"
         lines.append(f"{branch}: mean |gamma| {spread}; {muted:.1%} of channels muted")
     return lines
 

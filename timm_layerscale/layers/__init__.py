@@ -1,6 +1,6 @@
 from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask
 from .block import Block
-from .ffn import SwiGLU, swiglu_hidden_features
+from .ffn import SwiGLU, ffn_hidden_features, swiglu_hidden_features
 from .layer_scale import LayerScale, fold_gamma, layer_scale_or_identity
 from .naflex_batch import NaFlexBatch, read_naflex_batch
 from .naflex_embed import embed_patches
@@ -19,6 +19,7 @@ __all__ = [
     "apply_rope",
     "effective_qkv_bias",
     "embed_patches",
+    "ffn_hidden_features",
     "fold_gamma",
     "k_bias_mask",
     "layer_scale_or_identity",

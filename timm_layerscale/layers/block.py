@@ -5,7 +5,7 @@ from timm.layers import DropPath, Mlp, register_notrace_function
 from torch import nn
 
 from .attention import Attention
-from .ffn import SwiGLU, swiglu_hidden_features
+from .ffn import SwiGLU, ffn_hidden_features
 from .layer_scale import layer_scale_or_identity
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
@@ -65,11 +65,11 @@ class Block(nn.Module):
         self.attn = Attention(dim, num_heads, qkv_bias, mask_k_bias, proj_bias, attn_drop, proj_drop)
         self.ls1 = layer_scale_or_identity(dim, init_values[0])
         self.norm2 = norm_layer(dim)
+        hidden = ffn_hidden_features(dim, ffn_layer, ffn_ratio, swiglu_align_to)
         if ffn_layer == "swiglu":
-            hidden = swiglu_hidden_features(dim, ffn_ratio, swiglu_align_to)
             self.mlp = SwiGLU(dim, hidden, bias=ffn_bias, drop=proj_drop)
         else:
-            self.mlp = Mlp(dim, int(dim * ffn_ratio), act_layer=nn.GELU, bias=ffn_bias, drop=proj_drop)
+            self.mlp = Mlp(dim, hidden, act_layer=nn.GELU, bias=ffn_bias, drop=proj_drop)
         self.ls2 = layer_scale_or_identity(dim, init_values[1])
         self.sample_drop_rate = drop_path if stochastic_depth == "sample_drop" else 0.0
         self.drop_path = DropPath(drop_path) if stochastic_depth == "drop_path" and drop_path > 0 else nn.Identity()

@@ -9,6 +9,13 @@ def swiglu_hidden_features(dim: int, ffn_ratio: float, align_to: int) -> int:
     return hidden + (-hidden % align_to)
 
 
+def ffn_hidden_features(dim: int, ffn_layer: str, ffn_ratio: float, swiglu_align_to: int) -> int:
+    """The FFN's hidden width: `dim * ffn_ratio` for the MLP, DINOv3's SwiGLU sizing for "swiglu"."""
+    if ffn_layer == "swiglu":
+        return swiglu_hidden_features(dim, ffn_ratio, swiglu_align_to)
+    return int(dim * ffn_ratio)
+
+
 class SwiGLU(nn.Module):
     """`w3(silu(w1 x) * w2 x)`, with Meta's parameter names so their checkpoints load as they are."""
 

@@ -96,7 +96,7 @@ def block_name(label: str) -> str:
     return f"block {label}" if label.isdigit() else label
 
 
-def fmt(value: float | None) -> str:
+def short_number(value: float | None) -> str:
     return "off" if value is None else f"{value:.3g}"
 
 
@@ -109,6 +109,10 @@ def stats_rows(blocks: list[BlockGammas]) -> tuple[list[str], list[list[str]]]:
         row = [block.label]
         for branch in BRANCHES:
             s = block.branch(branch)
-            row += ["off", "", "", ""] if s is None else [fmt(s.mean), fmt(s.median), fmt(s.max), f"{s.muted:.0%}"]
+            row += (
+                ["off", "", "", ""]
+                if s is None
+                else [short_number(s.mean), short_number(s.median), short_number(s.max), f"{s.muted:.0%}"]
+            )
         rows.append(row)
     return header, rows

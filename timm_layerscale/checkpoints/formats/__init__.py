@@ -21,27 +21,27 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .base import CONFIG_FILE, WEIGHTS_FILE, Export, Format, Job, SourceConfig
+from .base import CONFIG_FILE, WEIGHTS_FILE, Format, Job, SourceConfig, WritePlan
 from .foreign import foreign_family
+from .hf import HF
 from .meta import META
 from .meta_train import META_TRAIN
 from .native import NATIVE
-from .timm_eva import TIMM_EVA
-from .transformers import TRANSFORMERS
+from .timm import TIMM
 
 __all__ = [
     "CONFIG_FILE",
     "FORMATS",
     "WEIGHTS_FILE",
-    "Export",
     "Format",
     "Job",
     "SourceConfig",
+    "WritePlan",
     "get_format",
     "recognise",
     "register_format",
-    "requested",
     "source_config",
+    "target_format",
 ]
 
 FORMATS: dict[str, Format] = {}  # by name, in the order the command lists them
@@ -50,38 +50,40 @@ FORMATS: dict[str, Format] = {}  # by name, in the order the command lists them
 SHIPPED_RECOGNITION = ("timm", "hf", "native", "meta")
 
 
-def register_format(fmt: Format) -> Format:
-    """Adds a format: `convert_checkpoint(..., to=fmt.name)` writes it, and files it `recognise`s are read."""
-    if not isinstance(fmt, Format):
-        raise TypeError(f"register_format takes a Format, got {type(fmt).__name__}")
-    FORMATS[fmt.name] = fmt
-    return fmt
+def register_format(added: Format) -> Format:
+    """Adds a format: `convert_checkpoint(..., to=added.name)` writes it, and files it `recognise`s are read."""
+    if not isinstance(added, Format):
+        raise TypeError(f"register_format takes a Format, got {type(added).__name__}")
+    FORMATS[added.name] = added
+    return added
 
 
-for _shipped in (NATIVE, META, META_TRAIN, TRANSFORMERS, TIMM_EVA):
+for _shipped in (NATIVE, META, META_TRAIN, HF, TIMM):
     register_format(_shipped)
 
 
 def get_format(name: str) -> Format:
-    fmt = FORMATS.get(name)
-    if fmt is None:
+    candidate = FORMATS.get(name)
+    if candidate is None:
         raise CheckpointError(f"unknown target {name!r}; pass --to one of {', '.join(FORMATS)}")
-    return fmt
+    return candidate
 
 
-def requested(
+def target_format(
     name: str, options: Mapping[str, Any], dst: Path | None = None, overwrite: bool = False
 ) -> tuple[Format, dict[str, Any]]:
     """The format `name` with its own options checked (and parsed), and, given `dst`, the destination it is to
     write checked by the one rule; an option no format of that name takes is one line naming who takes it."""
-    fmt = get_format(name)
-    unknown = [option for option, value in options.items() if option not in fmt.takes and value]
+    candidate = get_format(name)
+    unknown = [option for option, value in options.items() if option not in candidate.takes and value]
     if unknown:
         takers = [f.name for f in FORMATS.values() if unknown[0] in f.takes]
         raise CheckpointError(f"{unknown[0]} is an option of {' and '.join(takers) or 'no format'}, not of {name}")
     if dst is not None:
-        fmt.check_destination(dst, overwrite)
-    return fmt, fmt.check_options({**fmt.takes, **{k: v for k, v in options.items() if k in fmt.takes}})
+        candidate.check_destination(dst, overwrite)
+    return candidate, candidate.check_options(
+        {**candidate.takes, **{k: v for k, v in options.items() if k in candidate.takes}}
+    )
 
 
 def recognise(source: Mapping[str, torch.Tensor]) -> Format:
@@ -90,10 +92,10 @@ def recognise(source: Mapping[str, torch.Tensor]) -> Format:
     if foreign:
         raise CheckpointError(foreign)
     keys = list(source)
-    added = [fmt for name, fmt in FORMATS.items() if name not in SHIPPED_RECOGNITION]
-    for fmt in (*added, *(FORMATS[name] for name in SHIPPED_RECOGNITION)):
-        if fmt.recognise(keys):
-            return fmt
+    added = [candidate for name, candidate in FORMATS.items() if name not in SHIPPED_RECOGNITION]
+    for candidate in (*added, *(FORMATS[name] for name in SHIPPED_RECOGNITION)):
+        if candidate.recognise(keys):
+            return candidate
     raise CheckpointError(
         f"unrecognised checkpoint layout (first keys: {', '.join(keys[:4])}); expected Meta DINOv3, "
         f"transformers DINOv3ViT or timm eva DINOv3 weights"
@@ -102,8 +104,8 @@ def recognise(source: Mapping[str, torch.Tensor]) -> Format:
 
 def source_config(cfg: Mapping[str, Any] | None) -> SourceConfig | None:
     """What a config.json beside a checkpoint says of its model, read by the format it belongs to."""
-    for fmt in FORMATS.values():
-        found = fmt.read_config(cfg or {}) if cfg else None
+    for candidate in FORMATS.values():
+        found = candidate.read_config(cfg or {}) if cfg else None
         if found is not None:
             return found
     return None

@@ -1,9 +1,9 @@
 """What every format module fills in, and what they share: the format's place in a conversion (`Job` in,
-`Export` out), config field tables read and written the same way, gammas of 1, and what a target cannot hold.
+`WritePlan` out), config field tables read and written the same way, gammas of 1, and what a target cannot hold.
 
 A format owns its two-way key table, how it is recognised, its config fields (both ways), its target options,
 what it cannot hold, and its writer. `convert_checkpoint` opens, identifies, plans and hands the format a `Job`;
-the format answers with an `Export`: its tensors, how to write them, and what it loses.
+the format answers with an `WritePlan`: its tensors, how to write them, and what it loses.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
 from ...config import VitLsConfig
-from ...layers import swiglu_hidden_features
+from ...layers import effective_qkv_bias, ffn_hidden_features
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import native_gamma_key
 from ..mapping.keys import KeyTable
@@ -65,7 +65,7 @@ class Job:
 
 
 @dataclass
-class Export:
+class WritePlan:
     tensors: Plan  # in the format's keys
     write: Callable[[Path, Progress | None], None]  # into the temporary destination
     not_held: list[str]
@@ -81,7 +81,6 @@ class Format:
     spec: FormatSpec
     title: str
     table: KeyTable
-    always_layer_scale = True  # its models have LayerScale on every branch: gammas of 1 stand in for none
     reads_heads = False  # the reader keeps Meta's pretraining heads (`open_checkpoint(heads=True)`) for it
     takes: Mapping[str, Any] = {}  # options of its own, with their defaults
     default_dtype = "keep"  # what `dtype=None` means for it
@@ -104,7 +103,7 @@ class Format:
         """Its own options (`takes`), checked (and parsed) before any work."""
         return dict(options)
 
-    def export(self, job: Job) -> Export:
+    def plan_write(self, job: Job) -> WritePlan:
         """Its tensors from the job's native ones, how to write them, and what it cannot hold."""
         raise NotImplementedError(f"{self.name} cannot be written")
 
@@ -153,9 +152,8 @@ def write_fields(fields: Sequence[ConfigField], config: VitLsConfig) -> dict[str
 
 
 def hidden_features(config: VitLsConfig) -> int:
-    if config.ffn_layer == "swiglu":
-        return swiglu_hidden_features(config.embed_dim, config.ffn_ratio, config.swiglu_align_to)
-    return int(config.embed_dim * config.ffn_ratio)
+    """The FFN's hidden width of a config's blocks, by the layers' one rule."""
+    return ffn_hidden_features(config.embed_dim, config.ffn_layer, config.ffn_ratio, config.swiglu_align_to)
 
 
 def ffn_args(dim: int, hidden: int, swiglu: bool, align: int = 1) -> dict[str, Any]:
@@ -180,6 +178,16 @@ def with_all_gammas(tensors: Plan, depth: int, dim: int, dtype: torch.dtype) -> 
         return tensors
     ones = torch.ones(dim, dtype=dtype)
     return Plan(tensors, [*passthrough(tensors), *(Step((key,), (), lambda: (ones,)) for key in missing)])
+
+
+def k_bias_blocks(tensors: Mapping[str, Tensor], depth: int) -> list[int]:
+    """The blocks whose effective k bias is non-zero (read now: only the few small bias tensors)."""
+    found = []
+    for i in range(depth):
+        key = f"blocks.{i}.attn.qkv.bias"
+        if key in tensors and effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")).chunk(3)[1].any():
+            found.append(i)
+    return found
 
 
 # --------------------------------------------------------------------------------------- what is not held
@@ -207,10 +215,10 @@ def unheld_groups(keys: list[str]) -> list[str]:
     return groups
 
 
-def losses(
+def not_held_report(
     unheld: list[str], to: str, changing: tuple[str, ...] = OUTPUT_CHANGING, named: Mapping[str, str] | None = None
 ) -> tuple[list[str], list[str]]:
-    """What a format has no key for, by group (`named` words a group its own way), and as warnings the losses
+    """What a format has no key for, by group (`named` words a group its own way), and as warnings the not_held_report
     in `changing`, which change the outputs."""
     groups = unheld_groups(unheld)
     named = named or {}

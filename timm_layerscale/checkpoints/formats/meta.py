@@ -10,12 +10,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from timm_ls.names import FORMATS
+from timm_ls.names import META_SPEC
 
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
 from ..write.writers import write_safetensors, write_torch_file
-from .base import Export, Format, Job, losses, with_all_gammas
+from .base import Format, Job, WritePlan, not_held_report, with_all_gammas
 
 # Every key of the native layout, by pattern. Meta's files use exactly these keys (Meta has no `head`).
 NATIVE_KEYS = (
@@ -51,20 +51,20 @@ def native_keys(keys: Sequence[str]) -> bool:
 
 
 class Meta(Format):
-    spec = next(s for s in FORMATS if s.name == "meta")
+    spec = META_SPEC
     title = "Meta DINOv3 keys"
     table = KeyTable(tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")))
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return native_keys(keys)
 
-    def export(self, job: Job) -> Export:
+    def plan_write(self, job: Job) -> WritePlan:
         config = job.config
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
         out, unheld = self.table.from_native(full)
-        not_held, warnings = losses(unheld, self.name)
+        not_held, warnings = not_held_report(unheld, self.name)
         writer = write_safetensors if job.dst.suffix == ".safetensors" else write_torch_file
-        return Export(out, lambda tmp, bar: writer(tmp, out, progress=bar), not_held, warnings)
+        return WritePlan(out, lambda tmp, bar: writer(tmp, out, progress=bar), not_held, warnings)
 
 
 META = Meta()

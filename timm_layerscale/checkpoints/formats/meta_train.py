@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import yaml
 
-from timm_ls.names import FORMATS
+from timm_ls.names import META_TRAIN_SPEC
 
 from ...config import BRANCHES, VitLsConfig
 from ...layers import swiglu_hidden_features
@@ -36,7 +36,7 @@ from ..mapping.plan import Plan, TensorInfo, cast_plan, info_of, passthrough
 from ..read.reader import ONLY_SET, LazyCheckpoint
 from ..write.dcp import write_dcp
 from ..write.writers import Progress, write_torch_file
-from .base import OUTPUT_CHANGING, PERIODS, Export, Format, Job, losses, with_all_gammas
+from .base import OUTPUT_CHANGING, PERIODS, Format, Job, WritePlan, not_held_report, with_all_gammas
 from .meta import META
 
 Tensor = torch.Tensor
@@ -370,12 +370,12 @@ def _heads(job: Job) -> tuple[MetaHeads, Mapping[str, Tensor], list[str], list[s
 
 
 class MetaTrain(Format):
-    spec = next(s for s in FORMATS if s.name == "meta-train")
+    spec = META_TRAIN_SPEC
     title = META.title
     table = META.table
     reads_heads = True
     default_dtype = "fp32"  # Meta's trainer keeps fp32 master weights
-    takes = {"meta_config": None, "seed": 0, "distill_teacher": False}
+    takes = META_TRAIN_SPEC.option_defaults
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         checked = dict(options)
@@ -383,7 +383,7 @@ class MetaTrain(Format):
             checked["meta_config"] = heads_from_config(checked["meta_config"])
         return checked
 
-    def export(self, job: Job) -> Export:
+    def plan_write(self, job: Job) -> WritePlan:
         """Meta's trainer's keys: `backbone.` + Meta's backbone keys, and the carried or new heads."""
         config = job.config
         layer_scale, limits = _layer_scale_limits(config)
@@ -391,7 +391,7 @@ class MetaTrain(Format):
             with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype) if layer_scale else job.tensors
         )
         backbone, unheld = self.table.from_native(full)
-        not_held, warnings = losses(unheld, self.name, (*OUTPUT_CHANGING, "head"), named={"head": HEAD_NOTE})
+        not_held, warnings = not_held_report(unheld, self.name, (*OUTPUT_CHANGING, "head"), named={"head": HEAD_NOTE})
         not_held += limits
         warnings += [f"meta-train cannot hold {limit}" for limit in limits]
         sizes, made, notes, head_warnings = _heads(job)
@@ -405,7 +405,7 @@ class MetaTrain(Format):
         notes.append(f"written in {'/'.join(sorted(str(dtype).removeprefix('torch.') for dtype in floating))}")
         bias_mask = any(k.endswith("attn.qkv.bias_mask") for k in backbone)
         yaml_lines = meta_yaml(job.dst.resolve(), sizes, config, layer_scale, bias_mask)
-        return Export(plan, _writer(plan, job.dst), not_held, warnings + head_warnings, notes, yaml_lines)
+        return WritePlan(plan, _writer(plan, job.dst), not_held, warnings + head_warnings, notes, yaml_lines)
 
 
 def _writer(plan: Plan, dst: Path) -> Callable[[Path, Progress | None], None]:

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from timm_ls.names import FORMATS
+from timm_ls.names import NATIVE_SPEC
 
 from ...config import VitLsConfig
 from ..mapping.keys import KeyTable, row
 from ..write.writers import Progress, atomic_destination, write_safetensors, write_text
-from .base import CONFIG_FILE, WEIGHTS_FILE, Export, Format, Job, SourceConfig, pretrained_cfg_fields
+from .base import CONFIG_FILE, WEIGHTS_FILE, Format, Job, SourceConfig, WritePlan, pretrained_cfg_fields
 from .meta import NATIVE_KEYS, native_keys
 
 Tensor = torch.Tensor
@@ -68,10 +68,9 @@ def write_native_folder(
 
 
 class Native(Format):
-    spec = next(s for s in FORMATS if s.name == "native")
+    spec = NATIVE_SPEC
     title = "timm-layerscale keys"
     table = KeyTable(tuple(row(key, key) for key in NATIVE_KEYS))
-    always_layer_scale = False
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return native_keys(keys) and any(key.startswith("head.") for key in keys)
@@ -83,13 +82,13 @@ class Native(Format):
         args = {k: v for k, v in cfg["model_args"].items() if k in fields}
         return SourceConfig(args, dict(cfg.get("pretrained_cfg") or {}), str(cfg["architecture"]))
 
-    def export(self, job: Job) -> Export:
+    def plan_write(self, job: Job) -> WritePlan:
         tensors, config = job.tensors, job.config
 
         def write(tmp: Path, bar: Progress | None) -> None:
             write_native_files(tmp, tensors, config, job.architecture, job.pretrained_cfg, bar)
 
-        return Export(tensors, write, [], [])
+        return WritePlan(tensors, write, [], [])
 
 
 NATIVE = Native()

@@ -17,19 +17,18 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from timm_ls.names import WEIGHTS_SETS
 
 from ..dtypes import torch_dtype, unknown_name_reason
 from ..errors import CheckpointError, reason, torch_load_error
 from ..mapping.plan import TensorInfo
 from . import dcp
 from .sniff import PASS_WEIGHTS, sniff
-
-Weights = Literal["auto", "ema", "raw"]
-WEIGHTS_CHOICES: tuple[str, ...] = get_args(Weights)
 
 # What a source is: `LazyCheckpoint.kind`.
 KIND_SAFETENSORS = "safetensors file"
@@ -160,7 +159,7 @@ def _inside(names: dict[str, str], prefix: str) -> dict[str, str]:
 
 
 def select_weights(
-    keys: list[str], weights: Weights, source: str, heads: dict[str, str] | None = None
+    keys: list[str], weights: str, source: str, heads: dict[str, str] | None = None
 ) -> tuple[str, dict[str, str]]:
     """Picks one weights set among flat keys; returns its name and {backbone key: flat key}.
 
@@ -170,8 +169,8 @@ def select_weights(
     anything else at the top level (`blocks.`, `embeddings.`, `module.`) makes the file one plain set. A single
     set that holds sets itself (DCP's `model.` around Meta's `student.`/`teacher.`/`model_ema.`) is looked into.
     """
-    if weights not in WEIGHTS_CHOICES:
-        raise CheckpointError(f"weights must be one of {', '.join(WEIGHTS_CHOICES)}; got {weights!r}")
+    if weights not in WEIGHTS_SETS:
+        raise CheckpointError(f"weights must be one of {', '.join(WEIGHTS_SETS)}; got {weights!r}")
     names, taken = {k: k for k in keys}, ONLY_SET
     while True:
         if heads is not None:
@@ -450,7 +449,7 @@ def _open_path(path: Path) -> _Flat:
 
 
 def open_checkpoint(
-    source: str | Path | Mapping[str, Any], weights: Weights = "auto", heads: bool = False
+    source: str | Path | Mapping[str, Any], weights: str = "auto", heads: bool = False
 ) -> LazyCheckpoint:
     """Opens a checkpoint lazily and picks its weights set (`auto`: EMA/teacher where there is one).
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from timm_ls.names import FORMATS
+from timm_ls.names import TIMM_SPEC
 
 from ...config import VitLsConfig
 from ...layers import effective_qkv_bias
@@ -28,19 +28,19 @@ from .base import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     ConfigField,
-    Export,
     Format,
     Job,
     SourceConfig,
+    WritePlan,
     ffn_args,
     hidden_features,
-    losses,
+    k_bias_blocks,
+    not_held_report,
     pretrained_cfg_fields,
     read_fields,
     with_all_gammas,
     write_fields,
 )
-from .transformers import k_bias_blocks
 
 Tensor = torch.Tensor
 SPELLING = "gamma_N"
@@ -187,7 +187,7 @@ def qv_bias(tensors: Mapping[str, Tensor], depth: int) -> bool:
 
 
 class TimmEva(Format):
-    spec = next(s for s in FORMATS if s.name == "timm")
+    spec = TIMM_SPEC
     title = "timm eva keys"
     table = TABLE
     # eva's plain architectures have no qkv bias (Meta's all-zero ones are left out), and eva no local-crop norm.
@@ -209,12 +209,12 @@ class TimmEva(Format):
             variant,
         )
 
-    def export(self, job: Job) -> Export:
+    def plan_write(self, job: Job) -> WritePlan:
         config = job.config
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
         with_qv = qv_bias(full, config.depth)
         out, unheld = self.table.from_native(full, qkv_bias=with_qv)
-        not_held, warnings = losses(unheld, self.name)
+        not_held, warnings = not_held_report(unheld, self.name)
         k_blocks = k_bias_blocks(full, config.depth)
         if k_blocks:
             blocks = ", ".join(map(str, k_blocks))
@@ -228,7 +228,7 @@ class TimmEva(Format):
             write_safetensors(tmp / WEIGHTS_FILE, out, progress=bar)
             write_text(tmp / CONFIG_FILE, json.dumps(cfg, indent=2))
 
-        return Export(out, write, not_held, warnings)
+        return WritePlan(out, write, not_held, warnings)
 
 
-TIMM_EVA = TimmEva()
+TIMM = TimmEva()

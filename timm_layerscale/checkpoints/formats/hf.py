@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from timm_ls.names import FORMATS
+from timm_ls.names import HF_SPEC
 
 from ...config import VitLsConfig
 from ...layers import effective_qkv_bias
@@ -26,13 +26,14 @@ from ..write.writers import Progress, write_sharded_safetensors, write_text
 from .base import (
     CONFIG_FILE,
     ConfigField,
-    Export,
     Format,
     Job,
     SourceConfig,
+    WritePlan,
     ffn_args,
     hidden_features,
-    losses,
+    k_bias_blocks,
+    not_held_report,
     read_fields,
     with_all_gammas,
     write_fields,
@@ -161,18 +162,8 @@ def transformers_config(config: VitLsConfig, k_bias: bool, dtype: torch.dtype) -
     }
 
 
-def k_bias_blocks(tensors: Mapping[str, Tensor], depth: int) -> list[int]:
-    """The blocks whose effective k bias is non-zero (read now: only the few small bias tensors)."""
-    found = []
-    for i in range(depth):
-        key = f"blocks.{i}.attn.qkv.bias"
-        if key in tensors and effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")).chunk(3)[1].any():
-            found.append(i)
-    return found
-
-
-class Transformers(Format):
-    spec = next(s for s in FORMATS if s.name == "hf")
+class HuggingFace(Format):
+    spec = HF_SPEC
     title = "transformers DINOv3ViTModel keys"
     table = TABLE
     unheld_args = frozenset({"local_cls_norm"})  # DINOv3ViTModel has no local-crop norm
@@ -190,19 +181,19 @@ class Transformers(Format):
             args.update(_ffn_args({**cfg, "intermediate_size": args["embed_dim"] * 4}))
         return SourceConfig(args)
 
-    def export(self, job: Job) -> Export:
+    def plan_write(self, job: Job) -> WritePlan:
         config = job.config
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
         k_bias = bool(k_bias_blocks(full, config.depth))
         out, unheld = self.table.from_native(full, k_bias=k_bias)
-        not_held, warnings = losses(unheld, self.name)
+        not_held, warnings = not_held_report(unheld, self.name)
         cfg = transformers_config(config, k_bias, job.fill_dtype)
 
         def write(tmp: Path, bar: Progress | None) -> None:
             write_sharded_safetensors(tmp, out, job.max_shard_size, bar)
             write_text(tmp / CONFIG_FILE, json.dumps(cfg, indent=2))
 
-        return Export(out, write, not_held, warnings)
+        return WritePlan(out, write, not_held, warnings)
 
 
-TRANSFORMERS = Transformers()
+HF = HuggingFace()
