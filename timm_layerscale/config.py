@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,57 +29,100 @@ class UnknownConfigKeyError(TypeError, ValueError):
     a `ValueError` like every other config error, so callers catching either see it."""
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What a field allows: the check and the words of the one-line error naming it."""
+
+    check: Callable[[Any], bool]
+    allowed: str
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_size(value: Any) -> bool:
+    if _is_int(value):
+        return value > 0
+    return isinstance(value, Sequence) and len(value) == 2 and all(_is_int(s) and s > 0 for s in value)
+
+
+POSITIVE_INT = Rule(lambda v: _is_int(v) and v > 0, "a positive integer")
+COUNT = Rule(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+POSITIVE = Rule(lambda v: _is_number(v) and v > 0, "a positive number")
+RATE = Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)")
+SWITCH = Rule(lambda v: isinstance(v, bool), "true or false")
+SIZE = Rule(_is_size, "a positive integer or a pair of them")
+SHIFT = Rule(lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0")
+SCALE = Rule(lambda v: v is None or (_is_number(v) and v >= 1), "null or a number >= 1")
+ANY = Rule(lambda v: True, "")  # checked by its own resolver (init_values)
+
+
+def one_of(choices: tuple[str, ...]) -> Rule:
+    return Rule(lambda v: v in choices, f"one of {choices}")
+
+
+def knob(default: Any, rule: Rule) -> Any:
+    """A config field: its default and its rule, named together."""
+    return field(default=default, metadata={"rule": rule})
+
+
 @dataclass
 class VitLsConfig:
     # Input and tokens
-    img_size: int | tuple[int, int] = 224
-    patch_size: int = 16
-    in_chans: int = 3
-    num_storage_tokens: int = 4
-    dynamic_img_size: bool = True
-    dynamic_img_pad: bool = False  # False: a side that is not a multiple of patch_size is an error
+    img_size: int | tuple[int, int] = knob(224, SIZE)
+    patch_size: int = knob(16, POSITIVE_INT)
+    in_chans: int = knob(3, POSITIVE_INT)
+    num_storage_tokens: int = knob(4, COUNT)
+    dynamic_img_size: bool = knob(True, SWITCH)
+    dynamic_img_pad: bool = knob(False, SWITCH)  # False: a side that is not a multiple of patch_size is an error
     # NaFlex (timm's --naflex-loader): batches of patches at each image's own aspect ratio, as dicts
-    use_naflex: bool = True  # the forward also takes NaFlex dicts; False takes images only, as timm's eva
-    patchify_channels_last: bool = True  # patches as (P, P, C); False: (C, P, P), --naflex-patchify-channels-first
-    enable_patch_interpolator: bool = True  # patches of another size resample the patch embedding (FlexiViT)
+    use_naflex: bool = knob(True, SWITCH)  # the forward also takes NaFlex dicts; False takes images only, as eva
+    patchify_channels_last: bool = knob(True, SWITCH)  # (P, P, C); False: (C, P, P), --naflex-patchify-channels-first
+    enable_patch_interpolator: bool = knob(True, SWITCH)  # patches of another size resample the embedding (FlexiViT)
     # Trunk
-    embed_dim: int = 768
-    depth: int = 12
-    num_heads: int = 12
-    ffn_layer: str = "mlp"  # "mlp" (GELU) or "swiglu"
-    ffn_ratio: float = 4.0
-    swiglu_align_to: int = 8
-    qkv_bias: bool = True
-    mask_k_bias: bool = True  # the k third of the qkv bias is multiplied by a (loaded) mask
-    proj_bias: bool = True
-    ffn_bias: bool = True
-    norm_eps: float = 1e-5
+    embed_dim: int = knob(768, POSITIVE_INT)
+    depth: int = knob(12, POSITIVE_INT)
+    num_heads: int = knob(12, POSITIVE_INT)
+    ffn_layer: str = knob("mlp", one_of(FFN_LAYERS))  # "mlp" (GELU) or "swiglu"
+    ffn_ratio: float = knob(4.0, POSITIVE)
+    swiglu_align_to: int = knob(8, POSITIVE_INT)
+    qkv_bias: bool = knob(True, SWITCH)
+    mask_k_bias: bool = knob(True, SWITCH)  # the k third of the qkv bias is multiplied by a (loaded) mask
+    proj_bias: bool = knob(True, SWITCH)
+    ffn_bias: bool = knob(True, SWITCH)
+    norm_eps: float = knob(1e-5, POSITIVE)
     # LayerScale: float, 0/"off"/None, "auto", {attn, mlp}, or a per-block list of those
-    init_values: Any = 1e-5
+    init_values: Any = knob(1e-5, ANY)
     # Rotary position embedding
-    rope_base: float = 100.0
-    rope_normalize_coords: str = "separate"
-    rope_periods_bf16: bool = True  # released checkpoints store bf16-rounded periods
-    rope_shift_coords: float | None = None
-    rope_jitter_coords: float | None = None
-    rope_rescale_coords: float | None = None  # Meta's pretraining used 2
+    rope_base: float = knob(100.0, POSITIVE)
+    rope_normalize_coords: str = knob("separate", one_of(NORMALIZE_COORDS))
+    rope_periods_bf16: bool = knob(True, SWITCH)  # released checkpoints store bf16-rounded periods
+    rope_shift_coords: float | None = knob(None, SHIFT)
+    rope_jitter_coords: float | None = knob(None, SCALE)
+    rope_rescale_coords: float | None = knob(None, SCALE)  # Meta's pretraining used 2
     # Output norms
-    cls_norm: bool = False  # untied norms: `cls_norm` for cls + storage tokens, `norm` for patches
-    local_cls_norm: bool = False  # carried by SAT-L and 7B checkpoints; unused outside local-crop training
+    cls_norm: bool = knob(False, SWITCH)  # untied norms: `cls_norm` for cls + storage tokens, `norm` for patches
+    local_cls_norm: bool = knob(False, SWITCH)  # carried by SAT-L and 7B checkpoints; unused outside local crops
     # Head and regularisation
-    num_classes: int = 1000
-    global_pool: str = "token"
-    drop_rate: float = 0.0
-    proj_drop_rate: float = 0.0
-    attn_drop_rate: float = 0.0
-    drop_path_rate: float = 0.0
-    stochastic_depth: str = "drop_path"  # timm per-sample DropPath, or DINOv3's batch-subset sample drop
+    num_classes: int = knob(1000, COUNT)
+    global_pool: str = knob("token", one_of(GLOBAL_POOLS))
+    drop_rate: float = knob(0.0, RATE)
+    proj_drop_rate: float = knob(0.0, RATE)
+    attn_drop_rate: float = knob(0.0, RATE)
+    drop_path_rate: float = knob(0.0, RATE)
+    # timm per-sample DropPath, or DINOv3's batch-subset sample drop
+    stochastic_depth: str = knob("drop_path", one_of(STOCHASTIC_DEPTH))
     # Loading: refuse a checkpoint without gammas instead of setting them to 1
-    strict_layer_scale: bool = False
+    strict_layer_scale: bool = knob(False, SWITCH)
     # Fine-tuning: gammas get no gradient (timm's optimiser factory leaves them out)
-    freeze_layer_scale: bool = False
+    freeze_layer_scale: bool = knob(False, SWITCH)
     # Fine-tuning: after a pretrained load (never a resume or --initial-checkpoint), gammas restart at init_values
-    reinit_layer_scale: bool = False
+    reinit_layer_scale: bool = knob(False, SWITCH)
     layer_init_values: list[BranchInit] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -136,9 +179,10 @@ class VitLsConfig:
         return 1 + self.num_storage_tokens
 
     def validate(self) -> None:
-        for names, ok, allowed in _FIELD_RULES:
-            for name in names:
-                _require(name, getattr(self, name), ok(getattr(self, name)), allowed)
+        for f in dataclasses.fields(self):
+            rule = f.metadata.get("rule")
+            if rule is not None:
+                _require(f.name, getattr(self, f.name), rule.check(getattr(self, f.name)), rule.allowed)
         _require(
             "num_heads",
             self.num_heads,
@@ -151,13 +195,6 @@ class VitLsConfig:
             self.head_dim % 4 == 0,
             f"such that embed_dim / num_heads is a multiple of 4 for RoPE (embed_dim={self.embed_dim})",
         )
-        for name, allowed in (
-            ("ffn_layer", FFN_LAYERS),
-            ("rope_normalize_coords", NORMALIZE_COORDS),
-            ("stochastic_depth", STOCHASTIC_DEPTH),
-            ("global_pool", GLOBAL_POOLS),
-        ):
-            _require(name, getattr(self, name), getattr(self, name) in allowed, f"one of {allowed}")
         p = self.patch_size
         sides = (self.img_size,) if isinstance(self.img_size, int) else tuple(self.img_size)
         _require(
@@ -175,64 +212,9 @@ def _multiples_below(size: int | Sequence[int], multiple: int) -> int | tuple[in
     return tuple(max(side // multiple, 1) * multiple for side in size)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _require(name: str, value: Any, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}: got {value!r}; allowed: {allowed}")
-
-
-def _is_size(value: Any) -> bool:
-    if isinstance(value, int):
-        return value > 0
-    return isinstance(value, Sequence) and len(value) == 2 and all(isinstance(s, int) and s > 0 for s in value)
-
-
-# (fields, check, what is allowed), applied to every field named.
-_FIELD_RULES = (
-    (
-        ("patch_size", "in_chans", "embed_dim", "depth", "num_heads", "swiglu_align_to"),
-        lambda v: isinstance(v, int) and v > 0,
-        "a positive integer",
-    ),
-    (("num_storage_tokens", "num_classes"), lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    (("ffn_ratio", "rope_base", "norm_eps"), lambda v: _is_number(v) and v > 0, "a positive number"),
-    (
-        ("drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate"),
-        lambda v: _is_number(v) and 0 <= v < 1,
-        "a number in [0, 1)",
-    ),
-    (("rope_shift_coords",), lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0"),
-    (
-        ("rope_jitter_coords", "rope_rescale_coords"),
-        lambda v: v is None or (_is_number(v) and v >= 1),
-        "null or a number >= 1",
-    ),
-    (
-        (
-            "dynamic_img_size",
-            "dynamic_img_pad",
-            "use_naflex",
-            "patchify_channels_last",
-            "enable_patch_interpolator",
-            "qkv_bias",
-            "mask_k_bias",
-            "proj_bias",
-            "ffn_bias",
-            "rope_periods_bf16",
-            "cls_norm",
-            "local_cls_norm",
-            "strict_layer_scale",
-            "freeze_layer_scale",
-            "reinit_layer_scale",
-        ),
-        lambda v: isinstance(v, bool),
-        "true or false",
-    ),
-    (("img_size",), _is_size, "a positive integer or a pair of them"),
-)
 
 
 def parse_scalar(value: Any) -> Any:

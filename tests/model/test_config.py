@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 import math
 
 import pytest
@@ -242,3 +243,15 @@ def test_a_variant_name_resolves_to_its_variant_and_tag_or_one_line():
         find_variant("vit_ls_small_patch16_dinov3.nope")
     with pytest.raises(VariantNameError, match=r"^unknown variant 'vit_ls_smal'; did you mean vit_ls_small_"):
         find_variant("vit_ls_smal", what="variant")
+
+
+def test_every_config_field_names_its_rule_beside_its_default():
+    """A field added without a rule would take any value: each init field carries one."""
+    missing = [f.name for f in dataclasses.fields(VitLsConfig) if f.init and "rule" not in f.metadata]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", ["embed_dim", "depth", "num_heads", "num_classes", "num_storage_tokens"])
+def test_a_bool_is_not_an_integer_in_any_model_value(name):
+    with pytest.raises(ValueError, match=f"{name}: got True; allowed: "):
+        VitLsConfig(**{name: True})
