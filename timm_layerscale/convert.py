@@ -122,10 +122,10 @@ def convert_checkpoint(
     with _opened(src, weights, heads=request.target.reads_heads) as ckpt:
         _refuse_to_replace_source(ckpt, request.dst)
         planned = _plan(ckpt, request, model, model_kwargs, fuse_layerscale, max_shard_size)
-        warnings = planned.fitted.warnings + planned.export.warnings
+        warnings = planned.fitted.warnings + planned.write_plan.warnings
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
-        _write(planned.export, request, overwrite, progress)
+        _write(planned.write_plan, request, overwrite, progress)
         return planned.conversion(src, ckpt, request, warnings, time.perf_counter() - start)
 
 
@@ -137,7 +137,7 @@ class Planned:
     source: Format
     identity: IdentifiedModel
     fitted: Fitted
-    export: WritePlan
+    write_plan: WritePlan
 
     def conversion(
         self, src: Any, ckpt: LazyCheckpoint, request: _Request, warnings: list[str], seconds: float
@@ -151,16 +151,16 @@ class Planned:
             weights=ckpt.weights,
             variant=self.identity.full_name,
             reason=self.identity.reason,
-            tensors=len(self.export.tensors),
-            nbytes=self.export.tensors.nbytes,
+            tensors=len(self.write_plan.tensors),
+            nbytes=self.write_plan.tensors.nbytes,
             seconds=seconds,
-            not_held=self.export.not_held,
+            not_held=self.write_plan.not_held,
             report=self.fitted.report(),
             warnings=warnings,
             keys=self.source.title,
             model_args=self.identity.config.to_dict(),
-            notes=self.export.notes,
-            meta_yaml=self.export.text,
+            notes=self.write_plan.notes,
+            meta_yaml=self.write_plan.text,
         )
 
 
@@ -175,7 +175,7 @@ def plan_conversion(
     **options: Any,
 ) -> Planned:
     """What `convert_checkpoint(ckpt, dst, ...)` would write, planned from shapes and nothing written:
-    `.export.tensors.infos` holds every key, shape and dtype of the target (a dry run; the destination is
+    `.write_plan.tensors.infos` holds every key, shape and dtype of the target (a dry run; the destination is
     not checked). Reads only what a conversion reads ahead (q/k/v biases, RoPE periods, gammas)."""
     weights = ckpt.weights if ckpt.weights in WEIGHTS_SETS else "auto"
     request = _checked_request(Path(dst), to, dtype, weights, options, overwrite=None)
@@ -191,8 +191,8 @@ def _plan(
     max_shard_size: int | str,
 ) -> Planned:
     found = identify_checkpoint(ckpt, model, model_kwargs, fuse)
-    fitted, export = _planned(found.native, found.format.title, found.model, request, ckpt.heads, max_shard_size)
-    return Planned(found.format, found.model, fitted, export)
+    fitted, write_plan = _planned(found.native, found.format.title, found.model, request, ckpt.heads, max_shard_size)
+    return Planned(found.format, found.model, fitted, write_plan)
 
 
 def _checked_request(
@@ -243,16 +243,16 @@ def _planned(
     return fitted, request.target.plan_write(job)
 
 
-def _write(export: WritePlan, request: _Request, overwrite: bool, progress: bool | None) -> None:
+def _write(write_plan: WritePlan, request: _Request, overwrite: bool, progress: bool | None) -> None:
     """The target's files into a temporary name, renamed to `dst` when complete."""
-    total = export.tensors.nbytes
+    total = write_plan.tensors.nbytes
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
     dst, target = request.dst, request.target
     with (
         _progress_bar(total, f"{target.name} {dst.name}", show) as bar,
         atomic_destination(dst, overwrite, folder=target.writes_folder(dst), what=f"--to {target.name}") as tmp,
     ):
-        export.write(tmp, bar)
+        write_plan.write(tmp, bar)
 
 
 @contextmanager

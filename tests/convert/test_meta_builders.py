@@ -68,7 +68,7 @@ def meta_keys(builder: str) -> dict[str, TensorInfo]:
 @pytest.mark.parametrize(("builder", "name"), CASES, ids=[name for _, name in CASES])
 def test_a_timm_plain_file_to_meta_has_every_key_of_metas_builder(builder, name):
     planned = plan_conversion(timm_plain_file(name), "out.pth", to="meta", model=name, dtype="fp32")
-    written = planned.export.tensors.infos
+    written = planned.write_plan.tensors.infos
     expected = meta_keys(builder)
     assert sorted(written) == sorted(expected), set(written) ^ set(expected)
     assert all(written[k] == expected[k] for k in expected), [k for k in expected if written[k] != expected[k]]
@@ -86,7 +86,7 @@ def test_a_transformers_file_to_meta_takes_the_local_crop_norm_from_the_tag(name
     source = timm_plain_file(name, HF, k_bias=False)
     assert not any("local_cls_norm" in key for key in source)
     planned = plan_conversion(source, "out.pth", to="meta", model=name, dtype="fp32")
-    assert set(planned.export.tensors.infos) == set(meta_keys(builder))
+    assert set(planned.write_plan.tensors.infos) == set(meta_keys(builder))
     assert "local_cls_norm from norm" in planned.fitted.filled
 
 
@@ -94,10 +94,10 @@ def test_a_transformers_file_to_meta_takes_the_local_crop_norm_from_the_tag(name
 def test_a_timm_plain_file_to_meta_train_has_metas_backbone_keys(builder, name):
     planned = plan_conversion(timm_plain_file(name), "train.pth", to="meta-train", model=name)
     backbone = {
-        k.removeprefix("backbone."): v.shape for k, v in planned.export.tensors.infos.items() if "head" not in k
+        k.removeprefix("backbone."): v.shape for k, v in planned.write_plan.tensors.infos.items() if "head" not in k
     }
     assert backbone == {k: v.shape for k, v in meta_keys(builder).items()}
-    student = planned.export.text
+    student = planned.write_plan.text
     assert f"arch: {RULE_ARCH[name.partition('.')[0]]}" in student
 
 
@@ -156,7 +156,7 @@ def test_a_meta_file_without_qkv_bias_keeps_none():
         to="meta",
         model_kwargs=dict(embed_dim=64, depth=2, num_heads=4, ffn_layer="swiglu", swiglu_align_to=64),
     )
-    assert not any(k.endswith("qkv.bias") for k in planned.export.tensors.infos)
+    assert not any(k.endswith("qkv.bias") for k in planned.write_plan.tensors.infos)
 
 
 def _meta_infos(rule: str):
@@ -180,7 +180,7 @@ def test_the_arch_table_is_metas():
 def student(name: str) -> dict[str, str]:
     """The `student:` block printed for a timm plain file of a shipped variant, as a mapping."""
     planned = plan_conversion(timm_plain_file(name), "train.pth", to="meta-train", model=name)
-    block = planned.export.text.split("student:", 1)[1].split("\ngram:")[0]
+    block = planned.write_plan.text.split("student:", 1)[1].split("\ngram:")[0]
     assert yaml.safe_load("student:" + block)  # Meta's config loader reads it
     pairs = [line.strip().split(": ", 1) for line in block.splitlines()[1:] if not line.strip().startswith("#")]
     return {key: value.split("  #")[0] for key, value in pairs} | {"#": block}
