@@ -17,13 +17,15 @@ class FormatSpec:
     """A checkpoint format as the command offers it: its `--to` name, what it is, and what it writes.
 
     `writes` is FOLDER, FILE (named with one of `suffixes`) or FILE_OR_FOLDER (a file with one of `suffixes`,
-    a folder without a suffix).
+    a folder without a suffix). `files` are the names (`fnmatch` patterns) of every file it writes in a
+    folder: what `--overwrite` may replace there (`timm_ls.destinations`).
     """
 
     name: str
     description: str
     writes: str
     suffixes: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
 
     def writes_folder(self, name: str) -> bool:
         """Whether this format writes a folder at a destination called `name`."""
@@ -39,17 +41,27 @@ TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 # Suffixes that name a file, never a folder a writer makes.
 FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors", ".onnx", ".ckpt", ".tar", ".json", ".yaml", ".yml", ".png", ".csv")
 
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# What torch.distributed.checkpoint's FileSystemWriter writes: the metadata (through a .tmp file), data per rank.
+DCP_FILES = (".metadata", ".metadata.tmp", "__*.metadata", "__*.metadata.tmp", "__*_*.distcp")
+
 FORMATS = (
-    FormatSpec("native", "this package's layout with a timm config.json", FOLDER),
+    FormatSpec("native", "this package's layout with a timm config.json", FOLDER, files=(WEIGHTS, CONFIG, "README.md")),
     FormatSpec("meta", "Meta's DINOv3 keys in one .pth or .safetensors file", FILE, (*TORCH_SUFFIXES, ".safetensors")),
     FormatSpec(
         "meta-train",
         "what Meta's DINOv3 trainer loads: backbone and heads, a .pth or a distributed checkpoint folder",
         FILE_OR_FOLDER,
         (".pth",),
+        DCP_FILES,
     ),
-    FormatSpec("hf", "transformers' DINOv3ViTModel folder", FOLDER),
-    FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER),
+    FormatSpec(
+        "hf",
+        "transformers' DINOv3ViTModel folder",
+        FOLDER,
+        files=(CONFIG, WEIGHTS, "model-*-of-*.safetensors", "model.safetensors.index.json"),
+    ),
+    FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER, files=(CONFIG, WEIGHTS)),
 )
 FORMAT_NAMES = tuple(spec.name for spec in FORMATS)
 
