@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from timm_ls.destinations import held_problem
 from timm_ls.names import CAST_DTYPES, KEEP, WEIGHTS_SETS
 
 from .checkpoints.dtypes import cast_dtype
@@ -250,7 +251,9 @@ def _write(write_plan: WritePlan, request: _Request, overwrite: bool, progress: 
     dst, target = request.dst, request.target
     with (
         _progress_bar(total, f"{target.name} {dst.name}", show) as bar,
-        atomic_destination(dst, overwrite, folder=target.writes_folder(dst), what=f"--to {target.name}") as tmp,
+        atomic_destination(
+            dst, overwrite, folder=target.writes_folder(dst), what=f"--to {target.name}", ours=target.spec.files
+        ) as tmp,
     ):
         write_plan.write(tmp, bar)
 
@@ -270,6 +273,9 @@ def _refuse_to_replace_source(ckpt: LazyCheckpoint, dst: Path) -> None:
     """Refuses a destination whose writing replaces a file the source reads: DST, or any file under a DST
     folder, that is one of them by device and inode (so also under another name, a symlink or a hard link);
     and a source with no backbone to convert."""
+    problem = held_problem(dst, [ckpt.path])  # before looking through all of a DST that holds it
+    if problem:
+        raise CheckpointError(problem)
     read = {_inode(path): path for path in ckpt.files}
     replaced = [dst, *(Path(parent, name) for parent, _, names in sorted(os.walk(dst)) for name in sorted(names))]
     for path in replaced:

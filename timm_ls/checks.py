@@ -93,7 +93,7 @@ def check_convert(args: argparse.Namespace) -> None:
     for option in spec.options:
         if option.file:
             _require(option.file, getattr(args, option.dest))
-    problem = format_destination_problem(spec, args.dst, overwrite=args.overwrite)
+    problem = format_destination_problem(spec, args.dst, overwrite=args.overwrite, sources=[args.src])
     if problem:
         raise CliError(problem)
 
@@ -110,7 +110,7 @@ def check_export(args: argparse.Namespace) -> None:
     _choice(args.dtype, "--dtype", EXPORT_DTYPES, "dtype")
     _model_source(args.source)
     _model_source(args.model, VARIANT_FILE)
-    data = Path(args.dst).with_name(Path(args.dst).name + ".data")
+    data = Path(args.dst).parent / (Path(args.dst).name + ".data")  # `.` has no name to add to
     _destination(
         args.dst, folder=False, what="export", overwrite=args.overwrite, suffixes=(".onnx",), companions=[data]
     )
@@ -137,7 +137,7 @@ def check_demo(args: argparse.Namespace) -> None:
 def check_ablate(args: argparse.Namespace) -> None:
     _require("experiment file", args.config)
     _model_source(args.variant, VARIANT_FILE)
-    _destination(args.out, folder=True, what="ablate --out", overwrite=True)
+    _destination(args.out, folder=True, what="ablate --out", overwrite=True, into=True)
 
 
 def check_run(args: argparse.Namespace) -> None:

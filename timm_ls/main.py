@@ -14,11 +14,13 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from types import ModuleType
 
 from .checks import CHECKS
 from .errors import CliError
+from .interrupts import interruptible
 from .parsers import COMMANDS, DEFAULT_COMMAND, make_parser
 
 
@@ -49,11 +51,26 @@ def command_module(command: str) -> ModuleType:
     return importlib.import_module(f"timm_layerscale.cli.{COMMANDS[command][1]}")
 
 
+def interrupted_line(args: argparse.Namespace, written: object = None) -> str:
+    """What an interrupted command says: its writers leave their destination as it was, unless the signal
+    came once the new one was in place (`written`)."""
+    if written is not None:
+        return f"timm-ls: interrupted; {written} had been written"
+    dst = getattr(args, "dst", None) if args.command in ("convert", "export") else None
+    return "timm-ls: interrupted" + (f"; nothing was written to {dst}" if dst else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        CHECKS[args.command](args)
-        return command_module(args.command).execute(args)
+        with interruptible() if args.command != "run" else nullcontext():  # a script run keeps its own signals
+            CHECKS[args.command](args)
+            return command_module(args.command).execute(args)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the writers' clean-up has run on the way here
+        if args.debug:
+            raise
+        print(interrupted_line(args, getattr(exc, "written", None)), file=sys.stderr)
+        return getattr(exc, "exit_status", 130)
     except BrokenPipeError:  # `timm-ls inspect ... | head`: the reader left, nothing to report
         sys.stderr.close()
         return 1

@@ -34,13 +34,15 @@ class FormatSpec:
     """A checkpoint format as the command offers it: its `--to` name, what it is, and what it writes.
 
     `writes` is FOLDER, FILE (named with one of `suffixes`) or FILE_OR_FOLDER (a file with one of `suffixes`,
-    a folder without a suffix).
+    a folder without a suffix). `files` are the names (`fnmatch` patterns) of every file it writes in a
+    folder: what `--overwrite` may replace there (`timm_ls.destinations`).
     """
 
     name: str
     description: str
     writes: str
     suffixes: tuple[str, ...] = ()
+    files: tuple[str, ...] = ()
     options: tuple[FormatOption, ...] = ()  # its own options, in the command's group `options_title`
     options_title: str = ""
 
@@ -62,8 +64,14 @@ TORCH_SUFFIXES = (".pth", ".pt", ".bin")
 # Suffixes that name a file, never a folder a writer makes.
 FILE_SUFFIXES = (*TORCH_SUFFIXES, ".safetensors", ".onnx", ".ckpt", ".tar", ".json", ".yaml", ".yml", ".png", ".csv")
 
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# What torch.distributed.checkpoint's FileSystemWriter writes: the metadata (through a .tmp file), data per rank.
+DCP_FILES = (".metadata", ".metadata.tmp", "__*.metadata", "__*.metadata.tmp", "__*_*.distcp")
+
 # Each format's spec, by the name its module takes it by; FORMATS in the order the command lists them.
-NATIVE_SPEC = FormatSpec("native", "this package's layout with a timm config.json", FOLDER)
+NATIVE_SPEC = FormatSpec(
+    "native", "this package's layout with a timm config.json", FOLDER, files=(WEIGHTS, CONFIG, "README.md")
+)
 META_SPEC = FormatSpec(
     "meta", "Meta's DINOv3 keys in one .pth or .safetensors file", FILE, (*TORCH_SUFFIXES, ".safetensors")
 )
@@ -72,6 +80,7 @@ META_TRAIN_SPEC = FormatSpec(
     "what Meta's DINOv3 trainer loads: backbone and heads, a .pth or a distributed checkpoint folder",
     FILE_OR_FOLDER,
     (".pth",),
+    files=DCP_FILES,
     options=(
         FormatOption(
             "--meta-config",
@@ -90,8 +99,13 @@ META_TRAIN_SPEC = FormatSpec(
     ),
     options_title="meta-train (what Meta's DINOv3 trainer resumes, distils and gram-anchors from)",
 )
-HF_SPEC = FormatSpec("hf", "transformers' DINOv3ViTModel folder", FOLDER)
-TIMM_SPEC = FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER)
+HF_SPEC = FormatSpec(
+    "hf",
+    "transformers' DINOv3ViTModel folder",
+    FOLDER,
+    files=(CONFIG, WEIGHTS, "model-*-of-*.safetensors", "model.safetensors.index.json"),
+)
+TIMM_SPEC = FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER, files=(CONFIG, WEIGHTS))
 FORMATS = (NATIVE_SPEC, META_SPEC, META_TRAIN_SPEC, HF_SPEC, TIMM_SPEC)
 FORMAT_NAMES = tuple(spec.name for spec in FORMATS)
 

@@ -413,7 +413,10 @@ def test_existing_destination_is_kept_unless_overwrite(tmp_path):
     (tmp_path / "out" / "keep.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="exists; pass --overwrite"):
         convert(src, tmp_path / "out", "native")
-    assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    with pytest.raises(CheckpointError, match=r"holds keep\.txt, which --to native does not write"):
+        convert(src, tmp_path / "out", "native", overwrite=True)  # not a file it writes
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    (tmp_path / "out" / "keep.txt").rename(tmp_path / "out" / "README.md")  # one it writes, this time not
     convert(src, tmp_path / "out", "native", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.safetensors", "out"]  # the old one is gone
@@ -439,11 +442,11 @@ def test_an_error_mid_write_leaves_nothing_behind(overwrite, tmp_path):
     dst.parent.mkdir()
     if overwrite:
         dst.mkdir()
-        (dst / "old.txt").write_text("old")
+        (dst / "config.json").write_text("old")
     with pytest.raises(OSError, match="disk went away"):
         convert(broken, dst, "hf", overwrite=overwrite)
     if overwrite:
-        assert sorted(p.name for p in dst.parent.iterdir()) == ["out"] and (dst / "old.txt").read_text() == "old"
+        assert sorted(p.name for p in dst.parent.iterdir()) == ["out"] and (dst / "config.json").read_text() == "old"
     else:
         assert list(dst.parent.iterdir()) == []
 
@@ -713,7 +716,7 @@ def test_a_native_folder_writes_layer_scale_off_as_zero_and_keeps_what_exists(tm
 def test_a_failed_rename_restores_the_destination(tmp_path, monkeypatch):
     src, _ = make_source("meta", tmp_path)
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "old.txt").write_text("old")
+    (tmp_path / "out" / "config.json").write_text("old")
     replace = os.replace
 
     def refuse_new(source, target):
@@ -725,7 +728,8 @@ def test_a_failed_rename_restores_the_destination(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="rename refused"):
         convert(src, tmp_path / "out", "native", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["meta.safetensors", "out"])
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["old.txt"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["config.json"]
+    assert (tmp_path / "out" / "config.json").read_text() == "old"
 
 
 def test_a_timm_config_of_fixed_size_becomes_dynamic(tmp_path):

@@ -199,7 +199,7 @@ def sources(files: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "holder").mkdir()
     shutil.copy(root / "small.safetensors", root / "holder" / "inner.safetensors")
     (root / "holds_a_link").mkdir()
-    os.link(root / "small.safetensors", root / "holds_a_link" / "same.safetensors")
+    os.link(root / "small.safetensors", root / "holds_a_link" / "model.safetensors")  # a name --to hf writes
     os.link(root / "small.safetensors", root / "hard.safetensors")
     (root / "sym.safetensors").symlink_to(root / "small.safetensors")
     os.link(root / "dcp" / "__0_0.distcp", root / "distcp.pth")
@@ -218,9 +218,9 @@ REPLACING = {
         "small.safetensors",
         "holds_a_link",
         "hf",
-        "small.safetensors (SOURCES/holds_a_link/same.safetensors is the same file)",
+        "small.safetensors (SOURCES/holds_a_link/model.safetensors is the same file)",
     ),
-    "the DCP folder": ("dcp", "dcp", "hf", "dcp/.metadata"),
+    "the DCP folder": ("dcp", "dcp", "hf", "dcp"),
     "a DCP data file, linked": ("dcp", "distcp.pth", "meta", "dcp/__0_0.distcp"),
     "a Hub folder's config.json, linked": ("native", "config.pth", "meta", "native/config.json"),
 }
@@ -244,7 +244,8 @@ def test_overwrite_never_replaces_the_source(sources: Path, case: str, capsys) -
     assert main(args) == 2
     out, err = capsys.readouterr()
     assert out == ""
-    refusal = f"{sources / dst} would replace the source file {sources / replaced}; choose another destination"
+    kind = "folder" if (sources / replaced).is_dir() else "file"
+    refusal = f"{sources / dst} would replace the source {kind} {sources / replaced}; choose another destination"
     assert err == f"timm-ls: error: {refusal}\n"
     assert snapshot(sources) == before
     assert not [p for p in sources.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name]
@@ -258,7 +259,7 @@ def test_a_new_file_beside_the_source_is_fine(sources: Path, capsys) -> None:
     assert main(["convert", str(sources / "native"), str(sources / "other"), "--to", "hf", "--overwrite"]) == 0
     assert main(["convert", str(sources / "dcp"), str(sources / "dcp" / "out.pth"), "--to", "meta", *SMALL]) == 0
     (sources / "stale").mkdir()
-    (sources / "stale" / "gone.safetensors").symlink_to(sources / "absent.safetensors")  # a dangling link
+    (sources / "stale" / "model.safetensors").symlink_to(sources / "absent.safetensors")  # a dangling link
     assert main(["convert", str(sources / "native"), str(sources / "stale"), "--to", "hf", "--overwrite"]) == 0
     capsys.readouterr()
 

@@ -18,7 +18,7 @@ ALIGNMENT = mmap.ALLOCATIONGRANULARITY  # external tensors start here, so a runt
 
 
 def external_data_path(graph_path: Path) -> Path:
-    return graph_path.with_name(graph_path.name + ".data")
+    return graph_path.parent / (graph_path.name + ".data")  # `.` has no name to add to
 
 
 def write_streamed(

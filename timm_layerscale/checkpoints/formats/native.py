@@ -60,7 +60,7 @@ def write_native_folder(
     """Writes `model.safetensors` and timm's `config.json` for `tensors` (native keys, a plan or a state dict),
     and `extra_files` (name -> text, a model card), under a temporary name renamed to `folder` when complete."""
     folder = Path(folder)
-    with atomic_destination(folder, overwrite, folder=True, what="save_native") as tmp:
+    with atomic_destination(folder, overwrite, folder=True, what="save_native", ours=Native.spec.files) as tmp:
         write_native_files(tmp, tensors, config, architecture, pretrained_cfg)
         for name, text in (extra_files or {}).items():
             write_text(tmp / name, text)

@@ -21,7 +21,8 @@ import torch
 from huggingface_hub import constants, split_state_dict_into_shards_factory
 from safetensors import safe_open
 
-from timm_ls.destinations import destination_problem
+from timm_ls.destinations import KEPT, STAGING, destination_problem, foreign_problem
+from timm_ls.interrupts import deferred
 
 from ..dtypes import safetensors_name
 from ..errors import CheckpointError
@@ -152,6 +153,7 @@ def atomic_destination(
     *,
     what: str = "the writer",
     companions: Sequence[str] = (),
+    ours: Sequence[str] = (),
 ) -> Iterator[Path]:
     """A temporary path to write `dst` at (a folder made for it when `folder`), put in place when the block
     completes: `dst` appears complete, or not at all.
@@ -160,8 +162,11 @@ def atomic_destination(
     written, and it is replaced only with `overwrite`. `companions` are names of files written beside it (an
     ONNX file's `.data`), replaced with it as a group: the old files are kept aside until every new one is in
     place and put back if any rename fails, and an old companion the new write has none of is removed. Only
-    a crash between the renames can leave a mixed group. The staging folder beside `dst` is removed in all
-    cases, and a failed write leaves `dst` and its companions as they were.
+    a crash between the renames can leave a mixed group. A folder is replaced only while every file in it is
+    one of `ours` (names or `fnmatch` patterns of what the writer writes there), checked again just before the
+    swap. The staging folder beside `dst` is removed in all cases, and a failed or interrupted write (Ctrl-C,
+    and SIGTERM under `timm-ls`) leaves `dst` and its companions as they were; a signal arriving during the
+    swap or the clean-up waits until they are done.
     """
     dst = Path(dst)
     problem = destination_problem(
@@ -171,40 +176,54 @@ def atomic_destination(
         overwrite=overwrite,
         overwrite_hint="overwrite=True",
         companions=[dst.with_name(name) for name in companions],
+        ours=ours,
     )
     if problem:
         raise CheckpointError(problem)
-    stage = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
-    stage.mkdir()
+    stage = dst.with_name(STAGING.format(name=dst.name, token=uuid.uuid4().hex[:8]))
     try:
+        stage.mkdir()
         staged = stage / dst.name
         if folder:
             staged.mkdir()
         yield staged
+        problem = foreign_problem(dst, ours, what, "overwrite=True") if folder else None  # one may have come
+        if problem:
+            raise CheckpointError(problem)
         _replace_group(stage, dst.parent, [dst.name, *companions])
-    finally:
-        _remove(stage)
-    _sync_dir(dst.parent)
+    except BaseException:
+        with deferred():  # a second Ctrl-C must not leave the staging folder behind
+            _remove(stage)
+        raise
+    try:
+        with deferred():
+            _remove(stage)
+            _sync_dir(dst.parent)
+    except KeyboardInterrupt as exc:  # it arrived once `dst` was in place: say so
+        exc.written = dst  # type: ignore[attr-defined]
+        raise
 
 
 def _replace_group(stage: Path, parent: Path, names: Sequence[str]) -> None:
-    """Moves the staged `names` into `parent`, the old ones aside first and back again if a move fails."""
-    kept, moved = [], []
+    """Moves the staged `names` into `parent`, the old ones aside first and back again if a move fails or is
+    interrupted. Where to undo is read from the folders, not from what was recorded: a signal may come between
+    a rename and its record."""
+    staged = [name for name in names if (stage / name).exists()]
     try:
         for name in names:
             old = parent / name
             if old.exists() or old.is_symlink():
-                os.replace(old, stage / f".old-{name}")
-                kept.append(name)
-        for name in names:
-            if (stage / name).exists():
-                os.replace(stage / name, parent / name)
-                moved.append(name)
+                os.replace(old, stage / KEPT.format(name=name))
+        for name in staged:
+            os.replace(stage / name, parent / name)
     except BaseException:
-        for name in moved:
-            _remove(parent / name)
-        for name in kept:
-            os.replace(stage / f".old-{name}", parent / name)
+        with deferred():
+            for name in names:
+                if name in staged and not (stage / name).exists():
+                    _remove(parent / name)
+                kept = stage / KEPT.format(name=name)
+                if kept.exists() or kept.is_symlink():
+                    os.replace(kept, parent / name)
         raise
 
 

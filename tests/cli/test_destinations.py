@@ -1,0 +1,264 @@
+"""What a destination may be replaced with, and what an interrupted write leaves: through the command.
+
+`--overwrite` replaces a folder only while it holds nothing but what its format writes; no destination may be
+or hold the current folder or the source; Ctrl-C and SIGTERM leave the destination as it was, in one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import timm
+from safetensors.torch import save_file
+from support import TINY, move_off_init_
+
+from timm_layerscale import convert_checkpoint, save_native
+from timm_layerscale.checkpoints import CheckpointError
+from timm_layerscale.checkpoints.formats import native
+from timm_ls.checks import check_ablate
+from timm_ls.destinations import is_ours
+from timm_ls.interrupts import Interrupted, deferred, interruptible
+from timm_ls.main import main, parse
+from timm_ls.names import FORMATS
+
+NAME = "vit_ls_small_patch16_dinov3"
+SMALL = ["--model", NAME, "--model-kwargs", *(f"{k}={v}" for k, v in TINY.items())]
+SPECS = {spec.name: spec for spec in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("destinations")
+    model = move_off_init_(timm.create_model(NAME, num_classes=0, **TINY))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, root / "small.safetensors")
+    return root / "small.safetensors"
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file and folder under `root`, hidden ones too, with the files' digests."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def assert_refused(code: int, out: str, err: str, expected: str) -> None:
+    assert (code, out) == (2, ""), err
+    assert err.startswith("timm-ls: error: ") and err.count("\n") == 1, err
+    assert expected in err, err
+
+
+def convert_to(source: Path, dst: Path, to: str, **kwargs) -> None:
+    convert_checkpoint(source, dst, to=to, model=NAME, model_kwargs=TINY, **kwargs)
+
+
+# -------------------------------------------------------------------------- what --overwrite may replace
+
+
+@pytest.mark.parametrize(
+    ("to", "dst", "kwargs"),
+    [
+        ("native", "native", {}),
+        ("hf", "hf", {}),
+        ("hf", "sharded", {"max_shard_size": 20_000}),
+        ("timm", "timm", {}),
+        ("meta-train", "dcp", {}),
+    ],
+)
+def test_every_file_a_format_writes_is_one_it_names(source: Path, tmp_path: Path, to, dst, kwargs) -> None:
+    """Measured: what each folder format writes is what its FormatSpec says `--overwrite` may replace."""
+    convert_to(source, tmp_path / dst, to, **kwargs)
+    written = [p.name for p in (tmp_path / dst).iterdir()]
+    assert written and all(is_ours(name, SPECS[to].files) for name in written), written
+    assert not any(is_ours(name, SPECS[to].files) for name in ("precious.txt", "model.pth", "notes.json"))
+    if to == "hf" and kwargs:
+        assert len(written) > 3  # shards and their index
+
+
+def test_a_folder_holding_files_we_did_not_write_is_refused(source: Path, tmp_path: Path, capsys) -> None:
+    dst = tmp_path / "out"
+    assert run(capsys, "convert", str(source), str(dst), "--to", "native", *SMALL)[0] == 0
+    (dst / "precious.txt").write_text("mine")
+    (dst / "notes").mkdir()
+    (dst / "notes" / "model.safetensors").write_text("a subfolder is never ours, whatever it holds")
+    before = snapshot(tmp_path)
+    code, out, err = run(capsys, "convert", str(source), str(dst), "--to", "native", "--overwrite", *SMALL)
+    assert_refused(
+        code,
+        out,
+        err,
+        f"{dst} holds precious.txt and 1 other, which --to native does not write and --overwrite would delete; "
+        f"choose another folder or remove them",
+    )
+    assert snapshot(tmp_path) == before
+    (dst / "notes" / "model.safetensors").unlink()
+    (dst / "notes").rmdir()
+    code, _, err = run(capsys, "convert", str(source), str(dst), "--to", "native", "--overwrite", *SMALL)
+    assert code == 2 and "holds precious.txt, which" in err and "or remove it\n" in err
+    assert (dst / "precious.txt").read_text() == "mine"
+
+
+def test_save_native_refuses_them_too(tmp_path: Path) -> None:
+    model = timm.create_model(NAME, **TINY)
+    save_native(model, tmp_path / "out")
+    (tmp_path / "out" / "precious.txt").write_text("mine")
+    with pytest.raises(
+        CheckpointError, match=r"holds precious\.txt, which save_native does not write and overwrite=True"
+    ):
+        save_native(model, tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "precious.txt").read_text() == "mine"
+
+
+def test_a_file_that_comes_during_the_write_is_kept(source: Path, tmp_path: Path, monkeypatch) -> None:
+    """The folder is looked at again just before it is replaced."""
+    convert_to(source, tmp_path / "out", "native")
+    written = native.write_native_files
+
+    def and_a_file_arrives(folder, *args, **kwargs):
+        written(folder, *args, **kwargs)
+        (tmp_path / "out" / "late.txt").write_text("arrived while converting")
+
+    monkeypatch.setattr(native, "write_native_files", and_a_file_arrives)
+    with pytest.raises(CheckpointError, match=r"holds late\.txt"):
+        convert_to(source, tmp_path / "out", "native", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "late.txt", "model.safetensors"]
+
+
+def test_a_folder_of_ours_is_replaced_and_old_files_of_ours_go(source: Path, tmp_path: Path, capsys) -> None:
+    """Shards a new unsharded write has no use for, and the staging folder an earlier write left, are removed."""
+    dst = tmp_path / "hf"
+    convert_to(source, dst, "hf", max_shard_size=20_000)
+    (dst / ".model.safetensors.tmp-0123abcd").mkdir()  # left by a killed write of a file in it
+    (dst / ".model.safetensors.tmp-0123abcd" / "model.safetensors").write_text("partial")
+    assert len(list(dst.glob("model-*-of-*.safetensors"))) > 2
+    code, _, err = run(capsys, "convert", str(source), str(dst), "--to", "hf", "--overwrite", *SMALL)
+    assert code == 0, err
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+# ------------------------------------------------------------------- the current folder and the source
+
+
+@pytest.mark.parametrize(
+    ("dst", "to", "expected"),
+    [
+        (".", "native", ". is or holds the current folder (WORK); choose another destination"),
+        ("..", "hf", ".. is or holds the current folder (WORK); choose another destination"),
+        ("ROOT", "timm", "ROOT is or holds the current folder (WORK); choose another destination"),
+        ("./sub/..", "meta-train", "sub/.. is or holds the current folder (WORK)"),
+        ("holder", "native", "holder would replace the source file holder/small.safetensors; choose another"),
+        ("holder/small.safetensors", "meta", "would replace the source file holder/small.safetensors; choose"),
+    ],
+)
+def test_the_current_folder_and_the_source_are_never_replaced(
+    source: Path, tmp_path: Path, monkeypatch, capsys, dst, to, expected
+) -> None:
+    (tmp_path / "work" / "sub").mkdir(parents=True)
+    (tmp_path / "holder").mkdir()
+    (tmp_path / "holder" / "small.safetensors").write_bytes(source.read_bytes())
+    monkeypatch.chdir(tmp_path / "work")
+    src = "../holder/small.safetensors"
+    dst = dst.replace("ROOT", str(tmp_path)).replace("holder", "../holder")
+    expected = expected.replace("ROOT", str(tmp_path)).replace("WORK", str(tmp_path / "work"))
+    expected = expected.replace("holder", "../holder")
+    before = snapshot(tmp_path)
+    for overwrite in ([], ["--overwrite"]):
+        assert_refused(*run(capsys, "convert", src, dst, "--to", to, *overwrite, *SMALL), expected)
+        assert snapshot(tmp_path) == before
+
+
+def test_export_refuses_the_current_folder(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "export", NAME, ".", "--overwrite", *SMALL)
+    assert_refused(code, out, err, f". is or holds the current folder ({tmp_path}); choose another destination")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ablate_still_writes_into_the_current_folder(tmp_path: Path, monkeypatch) -> None:
+    """`ablate --out` writes files into its folder, which is never replaced: `.` is fine (the front's check)."""
+    monkeypatch.chdir(tmp_path)
+    check_ablate(parse(["ablate", "--out", "."]))
+
+
+# ---------------------------------------------------------------------------------------- interruptions
+
+
+def test_an_interrupted_swap_puts_the_old_folder_back(source: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A signal between moving the old folder aside and the new one in: the old one is back, in one line."""
+    dst = tmp_path / "out"
+    convert_to(source, dst, "native")
+    before = snapshot(tmp_path)
+    replace, moves = os.replace, []
+
+    def interrupted(src, target):
+        moves.append(Path(src).name)
+        if Path(target) == dst and len(moves) == 2:  # the new folder moving in, after the old one went aside
+            raise Interrupted(signal.SIGTERM)
+        replace(src, target)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    code, out, err = run(capsys, "convert", str(source), str(dst), "--to", "native", "--overwrite", *SMALL)
+    assert (code, out, err) == (143, "", f"timm-ls: interrupted; nothing was written to {dst}\n")
+    assert moves == ["out", "out", ".old-out"]  # aside, in (interrupted), back
+    assert snapshot(tmp_path) == before
+
+
+def test_a_signal_waits_for_the_end_of_a_deferred_block() -> None:
+    with interruptible():
+        with pytest.raises(Interrupted) as raised, deferred():
+            signal.raise_signal(signal.SIGTERM)
+            finished = True
+        assert finished and raised.value.exit_status == 143
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ViT-B/16 (width 768, depth 12) with random weights: its meta-train DCP folder takes seconds to write."""
+    model = timm.create_model("vit_ls_base_patch16_dinov3", num_classes=0)
+    return save_native(model, tmp_path_factory.mktemp("big") / "vitb")
+
+
+@pytest.mark.parametrize(
+    ("signum", "dst", "old"),
+    [(signal.SIGTERM, "dcp", True), (signal.SIGINT, "dcp", False), (signal.SIGTERM, "teacher.pth", False)],
+)
+def test_a_signal_mid_write_leaves_the_destination_as_it_was(big: Path, tmp_path: Path, signum, dst, old) -> None:
+    dst = tmp_path / dst
+    if old:  # an earlier write of the same format, to be kept whole
+        dst.mkdir()
+        (dst / ".metadata").write_text("old metadata")
+        (dst / "__0_0.distcp").write_text("old data")
+    before = snapshot(tmp_path)
+    args = ["convert", str(big), str(dst), "--to", "meta-train", *(["--overwrite"] if old else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "timm_ls", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".*.tmp-*")):  # the write has begun
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, err
+    assert (out, err.decode()) == (b"", f"timm-ls: interrupted; nothing was written to {dst}\n")
+    assert snapshot(tmp_path) == before
