@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS
-from .paths import experiments_dir
+from .paths import experiments_dir, install_hint
 
 DESCRIPTION = "DINOv3-style ViTs with LayerScale for timm, and LayerScale made visible"
 DEFAULT_COMMAND = "demo"
@@ -212,7 +212,7 @@ def add_export(commands: argparse._SubParsersAction) -> None:
         help="export a model or checkpoint to ONNX, checked in ONNX Runtime",
         description="Export to ONNX with one input, pixel_values [N, 3, H, W], and named outputs; the metadata "
         "carries the variant, preprocessing and licence. Needs the export extra: "
-        "pip install 'timm-layerscale[export]'.",
+        f"{install_hint('export')}",
         epilog=EXPORT_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
