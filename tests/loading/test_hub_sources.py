@@ -212,7 +212,7 @@ def test_sharded_repo_downloads_every_shard(hub: LocalHub, reference, images, tm
 def test_missing_repo_file_or_revision_is_one_line(hub: LocalHub) -> None:
     assert one_line_error(lambda: hub_weights(NO_WEIGHTS)) == (
         f"{NO_WEIGHTS} has no model.safetensors or model.safetensors.index.json (HTTP 404): see its files on "
-        f"{hub.url}/{NO_WEIGHTS}; a tag or pretrained_cfg_overlay can name another file with hf_hub_filename"
+        f"{hub.url}/{NO_WEIGHTS}, or name another of its files with hf_hub_filename in a tag or pretrained_cfg_overlay"
     )
     named = one_line_error(lambda: hub_weights({"hf_hub_id": SHARDED, "hf_hub_filename": "weights.pth"}))
     assert named.startswith(f"{SHARDED} has no weights.pth (HTTP 404)")
