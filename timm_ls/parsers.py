@@ -76,6 +76,12 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     parser.add_argument("--image", action="append", default=[], metavar="PATH", help="with weights: run these images")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="the folder for the picture and, in training, the trained model (default: ./timm-ls-demo, or "
+        "~/.cache/timm-layerscale/demo inside a git checkout of this repository)",
+    )
     _plot(parser, DEFAULT_PLOT)
 
 

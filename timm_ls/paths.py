@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import sys
@@ -85,3 +86,32 @@ def install_hint(extra: str | None, package: Path | None = None, cwd: Path | Non
     checkout, editable = found
     here = (cwd or Path.cwd()).resolve() == checkout.resolve()
     return f"{pip} {'-e ' if editable else ''}{shlex.quote(('.' if here else str(checkout)) + suffix)}"
+
+
+DEMO_FOLDER = "timm-ls-demo"
+
+
+def user_cache() -> Path:
+    """The user's cache folder: $XDG_CACHE_HOME, else ~/.cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def inside_this_repository(folder: Path) -> Path | None:
+    """The git checkout of timm-layerscale that `folder` is in (it or a folder above holds .git and the
+    project's pyproject.toml), or None."""
+    for candidate in (folder, *folder.parents):
+        if (candidate / ".git").exists():
+            return candidate if _is_our_project(candidate) else None
+    return None
+
+
+def demo_out(out: str | Path | None, cwd: Path | None = None) -> Path:
+    """Where the main job writes its picture and its model: `out` when given; else `./timm-ls-demo`, unless the
+    current folder is inside a git checkout of this repository, where nothing is written unasked: then
+    `<user cache>/timm-layerscale/demo`."""
+    if out is not None:
+        return Path(out)
+    here = (cwd or Path.cwd()).resolve()
+    if inside_this_repository(here) is not None:
+        return user_cache() / DISTRIBUTION / "demo"
+    return here / DEMO_FOLDER
