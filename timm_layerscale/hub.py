@@ -14,6 +14,7 @@ costs that wait at most, then the cached file is taken, or the one line says non
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ __all__ = [
     "fetch_hub_weights",
     "hub_timeout",
     "hub_weights",
+    "local_way_out",
     "unreachable_reason",
 ]
 
@@ -62,18 +64,39 @@ HUB_TIMEOUT_VARIABLE = "TIMM_LAYERSCALE_HUB_TIMEOUT"
 # The request's own timeout ends it first and closes its connection; the deadline, this much later, is for what
 # that timeout does not reach (the name lookup) and for its phases adding up.
 DEADLINE_GRACE_S = 0.5
+# The way around the Hub with a local file, in Python; and in timm's scripts, found by the script's name
+# (`python train.py`, `timm-ls run train.py`): train.py takes the file as pretrained weights, validate.py
+# loads it after building the model, both through this package's load hook.
+PYTHON_LOCAL_FILE = "pass pretrained_cfg_overlay=dict(file=PATH)"
+SCRIPT_LOCAL_FILE = {
+    "train.py": "pass a local file with train.py's --pretrained-path PATH",
+    "validate.py": "pass a local file with validate.py's --checkpoint PATH (without --pretrained)",
+}
 
 
 class HubError(CheckpointError):
     """Hub weights that cannot be had; the message names the problem and the fix in one line.
 
     `unreachable` says why the Hub could not be asked (see `unreachable_reason`) when that is the problem
-    and nothing was cached; it is None when the Hub answered (gated, missing, HTTP errors).
+    and nothing was cached; it is None when the Hub answered (gated, missing, HTTP errors). `way_out`, when
+    the message has one, is its last part (after `, or `): how to pass a local file instead, for how the
+    program was started (`local_way_out`); a command line names its own with `instead`.
     """
 
-    def __init__(self, message: str, unreachable: str | None = None) -> None:
-        super().__init__(message)
-        self.unreachable = unreachable
+    def __init__(self, problem: str, unreachable: str | None = None, way_out: str = "") -> None:
+        super().__init__(f"{problem}, or {way_out}" if way_out else problem)
+        self.problem, self.unreachable, self.way_out = problem, unreachable, way_out
+
+    def instead(self, way_out: str) -> HubError:
+        """The same error with the caller's way around the Hub (a command's flag) where it names one."""
+        return HubError(self.problem, self.unreachable, way_out) if self.way_out else self
+
+
+def local_way_out(python: str = PYTHON_LOCAL_FILE, argv0: str | None = None) -> str:
+    """How to pass a local file instead of the Hub's: train.py's or validate.py's flag when `argv0` (default
+    `sys.argv[0]`) is that script, else `python`, the way in Python."""
+    script = argv0 if argv0 is not None else (sys.argv[0] if sys.argv else "")
+    return SCRIPT_LOCAL_FILE.get(Path(script).name, python)
 
 
 @dataclass(frozen=True)
@@ -177,9 +200,9 @@ def _not_cached(
         why = f"the Hub ({constants.ENDPOINT}) is not reachable: {type(cause).__name__}: {reason(cause)}"
         fix = "check the connection, or download them once where the Hub is reachable"
     return HubError(
-        f"{why}, and the weights of {repo_id} ({' or '.join(filenames)}) are not in the local cache {cache}; {fix}, "
-        f"or pass pretrained_cfg_overlay=dict(file=PATH)",
+        f"{why}, and the weights of {repo_id} ({' or '.join(filenames)}) are not in the local cache {cache}; {fix}",
         unreachable=None if isinstance(exc, HfHubHTTPError) else unreachable_reason(exc) or reason(exc),
+        way_out=local_way_out(),
     )
 
 
@@ -222,8 +245,8 @@ def fetch_hub_weights(
         path, origin = cached, f"{origin} from the local cache ({_cache_origin(unanswered)})"
     elif name is None:
         raise HubError(
-            f"{repo_id} has no {' or '.join(candidates)} (HTTP 404): see its files on {constants.ENDPOINT}/{repo_id}; "
-            f"a tag or pretrained_cfg_overlay can name another file with hf_hub_filename"
+            f"{repo_id} has no {' or '.join(candidates)} (HTTP 404): see its files on {constants.ENDPOINT}/{repo_id}",
+            way_out=local_way_out("name another of its files with hf_hub_filename in a tag or pretrained_cfg_overlay"),
         )
     else:
         try:

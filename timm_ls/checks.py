@@ -27,6 +27,7 @@ from .names import (
     is_variant_file,
     suffix_of,
 )
+from .paths import demo_out
 
 CHECKPOINT = "checkpoint"
 VARIANT_FILE = "variant file"
@@ -132,6 +133,9 @@ def check_demo(args: argparse.Namespace) -> None:
         _require("image", image)
     if not args.no_plot:
         _plot(args)
+    out = demo_out(args.out)
+    if args.out is not None or out.parent.is_dir():  # the default's parents (the user's cache) are made on use
+        _destination(str(out), folder=True, what="demo --out", overwrite=True)
 
 
 def check_ablate(args: argparse.Namespace) -> None:

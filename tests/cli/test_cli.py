@@ -106,13 +106,20 @@ def runs(files: Path) -> dict[str, Run]:
     train_like = ["run", str(files / "train_like.py"), "--model", "vit_ls_small_patch16_dinov3", "--model-kwargs"]
     demo = ["--config", str(files / "tiny_demo.yaml")]
     cases = {
-        "demo": [*demo, "--plot", str(files / "demo.png")],
-        "demo_json": [*demo, "--json", "--no-plot"],
-        "demo_yaml_variant": [*demo, "--variant", str(files / "my_vit.yaml"), "--no-plot"],
+        "demo": [*demo, "--plot", str(files / "demo.png"), "--out", str(files / "demo_out")],
+        "demo_json": [*demo, "--json", "--no-plot", "--out", str(files / "json_out")],
+        "demo_yaml_variant": [
+            *demo,
+            "--variant",
+            str(files / "my_vit.yaml"),
+            "--no-plot",
+            "--out",
+            str(files / "yaml_out"),
+        ],
         "version": ["--version"],
         "list": ["list"],
         "list_json": ["list", "--json"],
-        "short_warmup": [*demo, "--steps", "1", "--no-plot"],
+        "short_warmup": [*demo, "--steps", "1", "--no-plot", "--out", str(files / "warmup_out")],
         "checkpoint": ["--checkpoint", str(files / "small.safetensors"), *TINY],
         "missing": ["--checkpoint", str(files / "absent.safetensors"), *TINY],
         "truncated": ["--checkpoint", str(files / "truncated.safetensors"), *TINY],
@@ -267,8 +274,9 @@ def test_checkpoint_gammas_show_in_the_table(runs: dict[str, Run], files: Path) 
     # The shipped images run at their own size: nothing is cropped or resized behind the user's back.
     assert "shapes_256x256.png: 256x256, run at its own size (no crop, no resize) -> 256 patch tokens" in run.stdout
     assert "landscape_320x224.png: 320x224, run at its own size (no crop, no resize) -> 280 patch tokens" in run.stdout
-    assert "plot: layerscale_gammas.png (mean |gamma| per block" in run.stdout  # the default, in the working folder
-    assert Image.open(files / "layerscale_gammas.png").format == "PNG"
+    plot = files / "timm-ls-demo" / "layerscale_gammas.png"  # the default: in the job's own folder
+    assert f"plot: {plot} (mean |gamma| per block" in run.stdout and Image.open(plot).format == "PNG"
+    assert not (files / "layerscale_gammas.png").exists()
 
 
 @pytest.mark.parametrize(
@@ -312,9 +320,10 @@ def test_run_gives_timm_scripts_the_variants(runs: dict[str, Run]) -> None:
     assert runs["run_yaml"].stdout.startswith("my_vit ['--model', 'my_vit'] 6 gammas")
 
 
-def test_moved_is_the_distance_from_the_init_not_the_size(files: Path, capsys) -> None:
+def test_moved_is_the_distance_from_the_init_not_the_size(files: Path, capsys, tmp_path: Path) -> None:
     """Starting at 1, gammas stay near 1 in 8 steps: they are large but have moved little."""
     args = ["--config", str(files / "tiny_demo.yaml"), "--json", "--no-plot", "--model-kwargs", "init_values=1.0"]
+    args += ["--out", str(tmp_path)]  # the model is saved: not into the user's cache, as from a checkout
     assert main(args) == 0
     for block in json.loads(capsys.readouterr().out)["gammas"]:
         for branch in ("attn", "mlp"):
@@ -333,10 +342,11 @@ def test_images_of_other_sizes_are_resized_and_the_output_says_so(files: Path, c
     assert expected in out
 
 
-def test_seed_picks_the_random_weights(files: Path, capsys) -> None:
+def test_seed_picks_the_random_weights(files: Path, capsys, tmp_path: Path) -> None:
     reports = []
     for seed in ("0", "1"):
-        assert main(["--config", str(files / "tiny_demo.yaml"), "--json", "--no-plot", "--seed", seed]) == 0
+        args = ["--config", str(files / "tiny_demo.yaml"), "--json", "--no-plot", "--seed", seed, "--out", tmp_path]
+        assert main([str(a) for a in args]) == 0
         reports.append(json.loads(capsys.readouterr().out))
     seed0, seed1 = reports
     assert seed1["weights"] == "random (seed 1)"

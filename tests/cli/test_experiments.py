@@ -20,6 +20,7 @@ from timm_layerscale.tools.experiment import load_experiment
 from timm_layerscale.tools.shapes import CLASSES, ShapesSpec, make_shapes
 from timm_layerscale.tools.trainer import TrainConfig, lr_at, train
 from timm_ls.main import main
+from timm_ls.paths import install_hint
 
 TINY_ABLATION = """
 variant: vit_ls_small_patch16_dinov3
@@ -194,7 +195,7 @@ def test_ablate_bad_input_is_one_error_line(args, expected, ablation, capsys):
 
 def test_without_matplotlib_the_commands_say_what_to_install(ablation, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    hint = "pip install 'timm-layerscale[tools]'"
+    hint = install_hint("tools", cwd=tmp_path)  # the commands run in tmp_path
     tiny = ablation / "tiny.yaml"
     ablate = subprocess.run(
         [

@@ -18,10 +18,10 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from support import FIXTURES, assert_fp32_close
+from support import FIXTURES, META_CONFIGS, VARIANT, assert_fp32_close
 
 from timm_layerscale import VARIANTS, VisionTransformerLS, convert_checkpoint
-from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo
+from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo, open_checkpoint
 from timm_layerscale.checkpoints.formats.hf import HF
 from timm_layerscale.checkpoints.formats.meta_train import META_ARCHS, META_SWIGLU
 from timm_layerscale.checkpoints.formats.timm import TIMM
@@ -217,3 +217,53 @@ def test_a_shape_no_arch_names_gets_the_nearest_and_one_line_saying_so(name):
     assert block["arch"] in META_ARCHS
     (line,) = [line for line in block["#"].splitlines() if "cannot express" in line]
     assert "MLP ratio 6" in line and f"the nearest, {block['arch']}" in line
+
+
+# Meta's RoPE rescaling in pretraining: every released builder's, and every release training config's
+# (`dinov3_*.yaml`; the test and linear-probe configs leave it unset).
+RELEASE_TRAINING = {
+    path: config["constructor_kwargs_student"]
+    for path, config in STUDENT["train_configs"].items()
+    if Path(path).name.startswith("dinov3_")
+}
+RESCALE = {entry["dinovisiontransformer_kwargs"]["pos_embed_rope_rescale_coords"] for entry in BUILDERS.values()}
+RESCALE |= {kwargs["pos_embed_rope_rescale_coords"] for kwargs in RELEASE_TRAINING.values()}
+
+
+@pytest.mark.parametrize(("builder", "name"), CASES)
+def test_the_student_block_has_metas_rope_rescale_and_this_models_rope_dtype(builder, name):
+    block = student(name)
+    kwargs = BUILDERS[builder]["dinovisiontransformer_kwargs"]
+    assert len(RELEASE_TRAINING) == 4 and RESCALE == {kwargs["pos_embed_rope_rescale_coords"]} == {2}
+    assert float(block["pos_embed_rope_rescale_coords"]) == kwargs["pos_embed_rope_rescale_coords"]
+    assert "sets no rope_rescale_coords" in block["#"]  # our variants train without it unless asked
+    assert block["pos_embed_rope_dtype"] == kwargs["pos_embed_rope_dtype"] == "fp32"
+    assert BUILDERS[builder]["derived"]["rope_periods_dtype"] == "float32"
+
+
+def test_a_backbone_with_its_own_rescale_gets_it_and_no_note():
+    name = "vit_ls_small_patch16_dinov3.lvd1689m"
+    planned = plan_conversion(
+        timm_plain_file(name), "train.pth", to="meta-train", model=name, model_kwargs={"rope_rescale_coords": 1.5}
+    )
+    text = planned.export.text
+    assert "  pos_embed_rope_rescale_coords: 1.5\n" in text and "sets no rope_rescale_coords" not in text
+
+
+def test_a_meta_file_with_bf16_rounded_periods_still_says_rope_dtype_fp32():
+    """Meta's own tiny model (built with pos_embed_rope_dtype fp32), whose periods read as bf16-rounded."""
+    kwargs = {k: META_CONFIGS["meta_mlp"][k] for k in ("embed_dim", "depth", "num_heads", "ffn_ratio")}
+    with open_checkpoint(FIXTURES / "meta_mlp.safetensors") as source:
+        text = plan_conversion(source, "t.pth", to="meta-train", model=VARIANT["mlp"], model_kwargs=kwargs).export.text
+    (line,) = [line for line in text.splitlines() if "pos_embed_rope_dtype" in line]
+    assert line.startswith(f"  pos_embed_rope_dtype: {META_CONFIGS['meta_mlp']['pos_embed_rope_dtype']}  # ")
+
+
+@pytest.mark.parametrize("periods_bf16", [True, False])
+def test_the_models_rope_is_fp32_whatever_rope_periods_bf16_says(periods_bf16):
+    """What `pos_embed_rope_dtype: fp32` claims: the rotation is computed in fp32, also in a bf16 model."""
+    model = VisionTransformerLS(
+        VARIANTS["vit_ls_small_patch16_dinov3"].config.replace(depth=1, rope_periods_bf16=periods_bf16)
+    ).bfloat16()
+    sin, cos = model.rope_embed(4, 4)
+    assert sin.dtype == cos.dtype == model.rope_embed.periods.dtype == torch.float32

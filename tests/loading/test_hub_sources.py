@@ -212,7 +212,7 @@ def test_sharded_repo_downloads_every_shard(hub: LocalHub, reference, images, tm
 def test_missing_repo_file_or_revision_is_one_line(hub: LocalHub) -> None:
     assert one_line_error(lambda: hub_weights(NO_WEIGHTS)) == (
         f"{NO_WEIGHTS} has no model.safetensors or model.safetensors.index.json (HTTP 404): see its files on "
-        f"{hub.url}/{NO_WEIGHTS}; a tag or pretrained_cfg_overlay can name another file with hf_hub_filename"
+        f"{hub.url}/{NO_WEIGHTS}, or name another of its files with hf_hub_filename in a tag or pretrained_cfg_overlay"
     )
     named = one_line_error(lambda: hub_weights({"hf_hub_id": SHARDED, "hf_hub_filename": "weights.pth"}))
     assert named.startswith(f"{SHARDED} has no weights.pth (HTTP 404)")
@@ -441,7 +441,7 @@ def test_save_for_hub_writes_the_folder_once(tmp_path: Path) -> None:
 # timm 1.0.31 records create_model's arguments and its save_for_hf / push_to_hf_hub write them as model_args.
 RECORDS_MODEL_ARGS = Version(timm.__version__) >= Version("1.0.31")
 needs_recorded_args = pytest.mark.skipif(
-    not RECORDS_MODEL_ARGS, reason="timm 1.0.31 records model args for save_for_hf; older timms write none"
+    not RECORDS_MODEL_ARGS, reason=f"timm {timm.__version__} records no model args for save_for_hf (1.0.31 does)"
 )
 OWN_YAML = {"base": SMALL, "model": {"depth": 3, "init_values": "auto", "rope_normalize_coords": "max"}}
 
@@ -508,7 +508,9 @@ def test_timms_push_to_hf_hub_of_an_own_yaml_variant_rebuilds_from_hf_hub(hub: L
     assert_rebuilt(rebuilt_in_fresh_process("hf-hub:someone/timm-pushed", name, tmp_path, env), model, images)
 
 
-@pytest.mark.skipif(RECORDS_MODEL_ARGS, reason="timm before 1.0.31 records no model args")
+@pytest.mark.skipif(
+    RECORDS_MODEL_ARGS, reason=f"timm {timm.__version__} records model args; this test is of timms before 1.0.31"
+)
 def test_older_timms_save_for_hf_keeps_the_yaml_name(tmp_path):
     model = own_yaml_model(tmp_path, "my_old_timm_saved_vit_ls")
     timm.models.save_for_hf(model, tmp_path / "saved")

@@ -22,6 +22,9 @@ from timm_ls.names import is_variant_file
 from ..hub import HubError, fetch_hub_weights
 from ..variants import VARIANTS, Variant, VariantNameError, find_variant, register_variant, ungated_tag
 
+# The command line's way around the Hub, for the commands that take --checkpoint.
+CHECKPOINT_WAY_OUT = "pass the downloaded file instead with --checkpoint FILE"
+
 
 def count(number: int, noun: str) -> str:
     """`1 seed`, `3 seeds`."""
@@ -119,7 +122,7 @@ def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[
             weights = fetch_hub_weights(cfg, cache_dir=kwargs.get("cache_dir"), ungated=ungated_tag(variant, tag))
     except HubError as exc:
         if exc.unreachable is None:
-            raise
+            raise exc.instead(CHECKPOINT_WAY_OUT) from None
         warn(
             f"--pretrained: the Hub is not reachable ({exc.unreachable}) and {cfg.hf_hub_id} is not in the local "
             f"cache; using random weights instead"

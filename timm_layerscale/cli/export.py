@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..export import OnnxCheckError, export_onnx, require_onnx
+from ..hub import HubError
 from .common import parse_model_kwargs
 
 
@@ -27,6 +28,8 @@ def execute(args: argparse.Namespace) -> int:
             check=args.check,
             overwrite=args.overwrite,
         )
+    except HubError as exc:
+        raise exc.instead("pass the downloaded file instead: timm-ls export FILE DST.onnx --model NAME") from None
     except OnnxCheckError as exc:
         for row in exc.rows:
             print(row.line())

@@ -32,6 +32,8 @@ from .gamma_report import draw, plot_target, stats_table
 
 RANDOM_BUILD_LIMIT = 1_500_000_000  # parameters: larger random models are described from their config only
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
+# The command line's way around the Hub: the downloaded file, read as any checkpoint.
+INSPECT_WAY_OUT = "pass the downloaded file instead: timm-ls inspect FILE"
 # A transformer block's attention in any layout (Meta, timm, transformers): a model without one has no LayerScale.
 ATTENTION_KEY = re.compile(r"\.\d+\.(attn|attention|self_attn)\.")
 
@@ -77,10 +79,10 @@ def _download(name: str) -> tuple[str, str]:
             weights = fetch_hub_weights(cfg, ungated=ungated)
     except HubError as exc:
         if exc.unreachable is None:  # the Hub answered: gated, missing, a server error
-            raise CliError(f"--pretrained: {exc}") from None
+            raise CliError(f"--pretrained: {exc.instead(INSPECT_WAY_OUT)}") from None
         raise CliError(
             f"--pretrained: the Hub is not reachable ({exc.unreachable}) and {cfg.hf_hub_id} is not in the local "
-            f"cache; pass the downloaded file instead: timm-ls inspect FILE"
+            f"cache; {INSPECT_WAY_OUT}"
         ) from None
     return str(weights.path), weights.origin
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from timm_ls.destinations import destination_problem
 from timm_ls.names import EXPORT_DTYPES
+from timm_ls.paths import install_hint
 
 from ..checkpoints.dtypes import cast_dtype
 from ..checkpoints.write.writers import atomic_destination
@@ -114,8 +115,7 @@ def require_onnx() -> None:
     missing = [name for name in REQUIRED if importlib.util.find_spec(name) is None]
     if missing:
         raise ExportError(
-            f"exporting to ONNX needs {', '.join(missing)}: pip install 'timm-layerscale[export]' "
-            f"(onnx, onnxscript, onnxruntime)"
+            f"exporting to ONNX needs {', '.join(missing)}: {install_hint('export')} (onnx, onnxscript, onnxruntime)"
         )
 
 

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from timm_ls.paths import install_hint
+
 from .files import write_atomically
 from .gammas import BRANCHES, BlockGammas
 
-INSTALL_HINT = "pip install 'timm-layerscale[tools]' (or pip install matplotlib)"
 COLOURS = {"attn": "tab:blue", "mlp": "tab:orange"}
 FLOOR = 1e-8  # a log axis cannot show 0: smaller |gamma| are drawn here
 
@@ -31,7 +32,7 @@ def plotting_available() -> bool:
 
 
 def missing_matplotlib() -> str:
-    return f"plotting needs matplotlib, which the core install leaves out; install it with {INSTALL_HINT}"
+    return f"plotting needs matplotlib, which the core install leaves out; install it with {install_hint('tools')}"
 
 
 def _figure(**kwargs: Any):

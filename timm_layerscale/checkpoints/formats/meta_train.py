@@ -191,6 +191,16 @@ META_ARCHS = {
 # `student.ffn_layer` for a SwiGLU by the multiple its hidden size is rounded up to; and `norm_layer` by its eps.
 META_SWIGLU = {8: "swiglu", 32: "swiglu32", 64: "swiglu64", 128: "swiglu128"}
 META_NORMS = {1e-5: "layernormbf16", 1e-6: "layernorm"}
+# The RoPE coordinate rescaling Meta pretrained every released backbone with (its hub builders and its
+# training configs), a training-time augmentation, printed where a backbone's config sets none.
+META_RESCALE_COORDS = 2
+# Our RoPE computes in fp32 whatever the config: `rope_periods_bf16` rounds the periods' values to bf16 (as
+# the released checkpoints store them), not the compute dtype. Meta's hub builders say fp32 too; its
+# build_model reads no pos_embed_rope_dtype, so its trainer keeps the constructor's bf16 whatever is printed.
+ROPE_DTYPE_NOTE = (
+    "fp32  # RoPE computed in fp32, as this model and Meta's hub builders do (rope_periods_bf16 rounds only the "
+    "stored periods); Meta's build_model ignores this key and computes it in bf16"
+)
 
 
 def _shape(config: VitLsConfig) -> tuple[int, int, int, float]:
@@ -230,10 +240,21 @@ def _ffn_layer(config: VitLsConfig) -> tuple[str, list[str]]:
     return "swiglu", [f"  # Meta's SwiGLU rounds its hidden size to 8, 32, 64 or 128, this one is {hidden}"]
 
 
+def _rescale_coords(config: VitLsConfig) -> tuple[str, list[str]]:
+    if config.rope_rescale_coords is not None:
+        return _yaml_value(config.rope_rescale_coords), []
+    note = (
+        f"  # pos_embed_rope_rescale_coords: {META_RESCALE_COORDS} is Meta's pretraining value (its hub builders and "
+        "release training configs); this backbone's config sets no rope_rescale_coords"
+    )
+    return str(META_RESCALE_COORDS), [note]
+
+
 def student_lines(config: VitLsConfig, path: str, layer_scale: bool, bias_mask: bool) -> list[str]:
     """`student:` as Meta's trainer reads it to build this backbone (every key it reads, named)."""
     arch, arch_note = _arch(config)
     ffn_layer, ffn_note = _ffn_layer(config)
+    rescale, rescale_note = _rescale_coords(config)
     norm = META_NORMS.get(config.norm_eps)
     norm_note = [] if norm else [f"  # Meta's norms have eps 1e-5 or 1e-6, this backbone's {config.norm_eps:g}"]
     layerscale = f"{config.layer_init_values[0][0] or 1e-5:.1e}" if layer_scale else "null"
@@ -257,11 +278,12 @@ def student_lines(config: VitLsConfig, path: str, layer_scale: bool, bias_mask: 
         "pos_embed_rope_normalize_coords": config.rope_normalize_coords,
         "pos_embed_rope_shift_coords": _yaml_value(config.rope_shift_coords),
         "pos_embed_rope_jitter_coords": _yaml_value(config.rope_jitter_coords),
-        "pos_embed_rope_rescale_coords": _yaml_value(config.rope_rescale_coords),
-        "pos_embed_rope_dtype": "bf16" if config.rope_periods_bf16 else "fp32",
+        "pos_embed_rope_rescale_coords": rescale,
+        "pos_embed_rope_dtype": ROPE_DTYPE_NOTE,
     }
     head = "student:  # continued pretraining; the backbone args must match the checkpoint's"
-    return [head, *arch_note, *ffn_note, *norm_note, *(f"  {key}: {value}" for key, value in values.items())]
+    notes = [*arch_note, *ffn_note, *norm_note, *rescale_note]
+    return [head, *notes, *(f"  {key}: {value}" for key, value in values.items())]
 
 
 def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_scale: bool, bias_mask: bool) -> str:
