@@ -246,7 +246,7 @@ def test_a_backbone_with_its_own_rescale_gets_it_and_no_note():
     planned = plan_conversion(
         timm_plain_file(name), "train.pth", to="meta-train", model=name, model_kwargs={"rope_rescale_coords": 1.5}
     )
-    text = planned.export.text
+    text = planned.write_plan.text
     assert "  pos_embed_rope_rescale_coords: 1.5\n" in text and "sets no rope_rescale_coords" not in text
 
 
@@ -254,7 +254,9 @@ def test_a_meta_file_with_bf16_rounded_periods_still_says_rope_dtype_fp32():
     """Meta's own tiny model (built with pos_embed_rope_dtype fp32), whose periods read as bf16-rounded."""
     kwargs = {k: META_CONFIGS["meta_mlp"][k] for k in ("embed_dim", "depth", "num_heads", "ffn_ratio")}
     with open_checkpoint(FIXTURES / "meta_mlp.safetensors") as source:
-        text = plan_conversion(source, "t.pth", to="meta-train", model=VARIANT["mlp"], model_kwargs=kwargs).export.text
+        text = plan_conversion(
+            source, "t.pth", to="meta-train", model=VARIANT["mlp"], model_kwargs=kwargs
+        ).write_plan.text
     (line,) = [line for line in text.splitlines() if "pos_embed_rope_dtype" in line]
     assert line.startswith(f"  pos_embed_rope_dtype: {META_CONFIGS['meta_mlp']['pos_embed_rope_dtype']}  # ")
 
