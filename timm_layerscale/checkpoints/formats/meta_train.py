@@ -36,7 +36,7 @@ from ..mapping.plan import Plan, TensorInfo, cast_plan, info_of, passthrough
 from ..read.reader import ONLY_SET, LazyCheckpoint
 from ..write.dcp import write_dcp
 from ..write.writers import Progress, write_torch_file
-from .base import OUTPUT_CHANGING, PERIODS, Format, Job, WritePlan, not_held_report, with_all_gammas
+from .base import OUTPUT_CHANGING, PERIODS, Format, Job, WritePlan, not_held_report, refuse_family, with_all_gammas
 from .meta import META
 
 Tensor = torch.Tensor
@@ -258,7 +258,8 @@ def student_lines(config: VitLsConfig, path: str, layer_scale: bool, bias_mask: 
         "pos_embed_rope_shift_coords": _yaml_value(config.rope_shift_coords),
         "pos_embed_rope_jitter_coords": _yaml_value(config.rope_jitter_coords),
         "pos_embed_rope_rescale_coords": _yaml_value(config.rope_rescale_coords),
-        "pos_embed_rope_dtype": "bf16" if config.rope_periods_bf16 else "fp32",
+        # What RoPE computes in (rope_dtype); bf16-rounded periods (rope_periods_bf16) load from the checkpoint.
+        "pos_embed_rope_dtype": config.rope_dtype,
     }
     head = "student:  # continued pretraining; the backbone args must match the checkpoint's"
     return [head, *arch_note, *ffn_note, *norm_note, *(f"  {key}: {value}" for key, value in values.items())]
@@ -386,6 +387,7 @@ class MetaTrain(Format):
     def plan_write(self, job: Job) -> WritePlan:
         """Meta's trainer's keys: `backbone.` + Meta's backbone keys, and the carried or new heads."""
         config = job.config
+        refuse_family(config, "dinov3", "Meta's DINOv3 trainer", "sapiens2, native, hf or timm")
         layer_scale, limits = _layer_scale_limits(config)
         full = (
             with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype) if layer_scale else job.tensors
