@@ -14,7 +14,13 @@ import timm
 
 import timm_layerscale  # noqa: F401  (registers the variants)
 
-VARIANTS = ("vit_ls_small_patch16_dinov3", "vit_ls_small_plus_patch16_dinov3")
+VARIANTS = (
+    "vit_ls_small_patch16_dinov3",
+    "vit_ls_small_plus_patch16_dinov3",
+    "vit_ls_tiny_patch16_dinov3",
+    "vit_ls_small_patch16_lingbot",
+    "vit_ls_base_patch16_sapiens2",
+)
 TESTS = (
     "test_model_forward_intermediates_features",
     "test_model_forward_intermediates",

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FFN_LAYERS = ("mlp", "swiglu")
+NORM_LAYERS = ("layernorm", "rmsnorm")
+ROPE_DTYPES = ("fp32", "bf16")
 NORMALIZE_COORDS = ("separate", "min", "max")
 STOCHASTIC_DEPTH = ("drop_path", "sample_drop")
 GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "cls_avg", "")
@@ -60,6 +62,14 @@ SIZE = Rule(_is_size, "a positive integer or a pair of them")
 SHIFT = Rule(lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0")
 SCALE = Rule(lambda v: v is None or (_is_number(v) and v >= 1), "null or a number >= 1")
 ANY = Rule(lambda v: True, "")  # checked by its own resolver (init_values)
+KV_HEADS = Rule(
+    lambda v: (
+        v is None
+        or (_is_int(v) and v > 0)
+        or (isinstance(v, Sequence) and not isinstance(v, str) and all(_is_int(h) and h > 0 for h in v))
+    ),
+    "null (every head), a positive integer, or a list with one positive integer per block",
+)
 
 
 def one_of(choices: tuple[str, ...]) -> Rule:
@@ -78,6 +88,7 @@ class VitLsConfig:
     patch_size: int = knob(16, POSITIVE_INT)
     in_chans: int = knob(3, POSITIVE_INT)
     num_storage_tokens: int = knob(4, COUNT)
+    mask_token: bool = knob(True, SWITCH)  # the token masked patches take (DINOv3's iBOT); Sapiens2 has none
     dynamic_img_size: bool = knob(True, SWITCH)
     dynamic_img_pad: bool = knob(False, SWITCH)  # False: a side that is not a multiple of patch_size is an error
     # NaFlex (timm's --naflex-loader): batches of patches at each image's own aspect ratio, as dicts
@@ -88,6 +99,10 @@ class VitLsConfig:
     embed_dim: int = knob(768, POSITIVE_INT)
     depth: int = knob(12, POSITIVE_INT)
     num_heads: int = knob(12, POSITIVE_INT)
+    # Grouped-query attention: k/v heads per block (null: num_heads), one int for all or one per block (as eva)
+    num_kv_heads: int | list[int] | None = knob(None, KV_HEADS)
+    qk_norm: bool = knob(False, SWITCH)  # a norm (norm_layer) over each head's q and k, before RoPE (Sapiens2)
+    norm_layer: str = knob("layernorm", one_of(NORM_LAYERS))  # block norms, output norms and qk_norm
     ffn_layer: str = knob("mlp", one_of(FFN_LAYERS))  # "mlp" (GELU) or "swiglu"
     ffn_ratio: float = knob(4.0, POSITIVE)
     swiglu_align_to: int = knob(8, POSITIVE_INT)
@@ -102,6 +117,8 @@ class VitLsConfig:
     rope_base: float = knob(100.0, POSITIVE)
     rope_normalize_coords: str = knob("separate", one_of(NORMALIZE_COORDS))
     rope_periods_bf16: bool = knob(True, SWITCH)  # released checkpoints store bf16-rounded periods
+    # What RoPE's tables and rotation compute in: fp32 (Meta's DINOv3, LingBot) or bf16 (Sapiens2's code as released)
+    rope_dtype: str = knob("fp32", one_of(ROPE_DTYPES))
     rope_shift_coords: float | None = knob(None, SHIFT)
     rope_jitter_coords: float | None = knob(None, SCALE)
     rope_rescale_coords: float | None = knob(None, SCALE)  # Meta's pretraining used 2
@@ -175,6 +192,18 @@ class VitLsConfig:
         return self.embed_dim // self.num_heads
 
     @property
+    def layer_kv_heads(self) -> list[int]:
+        """The k/v heads of each block (`num_heads` where attention is not grouped)."""
+        heads = self.num_kv_heads
+        if heads is None or _is_int(heads):
+            return [heads or self.num_heads] * self.depth
+        return list(heads)
+
+    @property
+    def grouped_attention(self) -> bool:
+        return any(h != self.num_heads for h in self.layer_kv_heads)
+
+    @property
     def num_prefix_tokens(self) -> int:
         return 1 + self.num_storage_tokens
 
@@ -194,6 +223,25 @@ class VitLsConfig:
             self.num_heads,
             self.head_dim % 4 == 0,
             f"such that embed_dim / num_heads is a multiple of 4 for RoPE (embed_dim={self.embed_dim})",
+        )
+        kv = self.num_kv_heads
+        _require(
+            "num_kv_heads",
+            kv,
+            kv is None or _is_int(kv) or len(kv) == self.depth,
+            f"a list of exactly depth={self.depth} entries, one per block",
+        )
+        _require(
+            "num_kv_heads",
+            kv,
+            all(self.num_heads % h == 0 for h in self.layer_kv_heads),
+            f"divisors of num_heads={self.num_heads}",
+        )
+        _require(
+            "rope_dtype",
+            self.rope_dtype,
+            self.rope_dtype == "fp32" or self.rope_periods_bf16,
+            "'fp32' with rope_periods_bf16=false (bf16 RoPE holds its periods in bf16)",
         )
         p = self.patch_size
         sides = (self.img_size,) if isinstance(self.img_size, int) else tuple(self.img_size)

@@ -27,6 +27,7 @@ from timm_ls.names import is_variant_file
 
 from .checkpoints.errors import CheckpointError
 from .checkpoints.formats import Format, SourceConfig, recognise, source_config
+from .checkpoints.formats.base import family
 from .checkpoints.mapping.fit import fillable
 from .checkpoints.mapping.gamma_keys import native_gamma_key
 from .checkpoints.mapping.plan import PERIODS, Plan, TensorInfo
@@ -102,19 +103,43 @@ def key_args(
         "local_cls_norm": has("local_cls_norm", "local_cls_norm.weight"),
         "num_classes": native.info("head.weight").shape[0] if "head.weight" in keys else 0,
         "init_values": _layer_scale(keys, depth, _first_init_value(base)),
+        "mask_token": has("mask_token", "mask_token"),
+        "qk_norm": "blocks.0.attn.q_norm.weight" in keys,
+        "norm_layer": "layernorm" if "norm.bias" in keys or "norm.weight" not in keys else "rmsnorm",
     }
+    kv_heads = _kv_heads(native, depth)
+    if kv_heads is not None:
+        args["num_kv_heads"] = kv_heads
     if PERIODS in keys:  # exact in bf16: Meta's rounding; the loaded periods win either way
         periods = native[PERIODS].float()
         args["rope_periods_bf16"] = bool(torch.equal(periods, periods.bfloat16().float()))
-    else:  # formats without periods compute them in fp32, unrounded
+    else:  # formats without periods compute them in fp32, unrounded, and RoPE in fp32 (timm's, transformers')
         args["rope_periods_bf16"] = False
+        args["rope_dtype"] = "fp32"
     return args
+
+
+def _kv_heads(native: Mapping[str, torch.Tensor], depth: int) -> list[int] | None:
+    """Each block's k/v heads from its qkv rows, when any block's are fewer than its q rows (grouped-query
+    attention; the head width comes from the q-norm, which every grouped family has), else None."""
+    if "blocks.0.attn.q_norm.weight" not in native:
+        return None
+    head_dim = native.info("blocks.0.attn.q_norm.weight").shape[0]
+    heads = []
+    for i in range(depth):
+        rows, dim = native.info(f"blocks.{i}.attn.qkv.weight").shape
+        heads.append((rows - dim) // 2 // head_dim)
+    full = native.info("blocks.0.attn.qkv.weight").shape[1] // head_dim
+    return heads if any(h != full for h in heads) else None
 
 
 def _layer_scale(keys: set[str], depth: int, init_value: float) -> Any:
     branches = [(native_gamma_key(i, 1) in keys, native_gamma_key(i, 2) in keys) for i in range(depth)]
     if not any(a or m for a, m in branches):
         return 0
+    if len(set(branches)) == 1 and not all(branches[0]):  # one branch in every block (Sapiens2: attention)
+        attn, mlp = branches[0]
+        return {"attn": init_value if attn else 0, "mlp": init_value if mlp else 0}
     if not all(a and m for a, m in branches):
         return [{"attn": init_value if a else 0, "mlp": init_value if m else 0} for a, m in branches]
     return init_value
@@ -178,6 +203,9 @@ def _config(
 ) -> VitLsConfig:
     base = {**variant.model_args, **variant.tag_model_args(tag)}
     args = {**base, **key_args(weights.native, base, weights.unheld), **overrides}
+    kv = args.get("num_kv_heads")
+    if isinstance(kv, list) and len(kv) != args.get("depth", VitLsConfig.default("depth")):
+        args["num_kv_heads"] = overrides.get("num_kv_heads", base.get("num_kv_heads"))  # another depth: its shapes
     if weights.fuse:  # every gamma folds: the model has LayerScale off
         args["init_values"] = 0
     return VitLsConfig.from_dict(args, source=source or f"the args of {variant.name}")
@@ -190,6 +218,9 @@ def _nearest(variants: Mapping[str, Variant], weights: _Weights, asked: Mapping[
     weights without them, so the arguments complete the variant the weights are and do not pick another."""
     infos = {k: weights.native.info(k) for k in weights.native}
     ranks, refusals = {}, []
+    keyed = key_args(weights.native, {}, weights.unheld)
+    kin = "sapiens2" if keyed["norm_layer"] == "rmsnorm" or keyed["qk_norm"] else "dinov3"
+    variants = {n: v for n, v in variants.items() if family(v.config) == kin} or variants
     for name, variant in variants.items():
         try:
             config = _config(variant, None, weights, asked, source="the model args")

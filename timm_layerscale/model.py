@@ -5,9 +5,8 @@ other layouts are converted on load by `timm_layerscale.checkpoints`. The forwar
 NaFlex batches (dicts of patches at each image's own aspect ratio, `--naflex-loader`) outside TorchScript.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from functools import partial
 from typing import Any
 
 import torch
@@ -25,11 +24,13 @@ except ImportError:
 from .checkpoints.load_hook import install_load_hook
 from .config import TRAINING_SWITCHES, VitLsConfig
 from .layers import (
+    NORMS,
     Block,
     KMaskedBiasLinear,
     LayerScale,
     RopeEmbedding,
     embed_patches,
+    make_norm,
     naflex_patch_centres,
     padding_key_mask,
     pool_valid_tokens,
@@ -60,6 +61,37 @@ def patch_grid(image: torch.Tensor, patch_size: int, pad: bool) -> tuple[int, in
             f"with dynamic_img_pad=True to pad"
         )
     return height // patch_size, width // patch_size
+
+
+def _make_blocks(cfg: VitLsConfig, norm_layer: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """The blocks, each with its stochastic-depth rate, LayerScale inits and k/v heads."""
+    if cfg.stochastic_depth == "drop_path":
+        rates = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
+    else:
+        rates = [cfg.drop_path_rate] * cfg.depth
+    return nn.ModuleList(
+        Block(
+            cfg.embed_dim,
+            cfg.num_heads,
+            ffn_layer=cfg.ffn_layer,
+            ffn_ratio=cfg.ffn_ratio,
+            swiglu_align_to=cfg.swiglu_align_to,
+            qkv_bias=cfg.qkv_bias,
+            mask_k_bias=cfg.mask_k_bias,
+            proj_bias=cfg.proj_bias,
+            ffn_bias=cfg.ffn_bias,
+            init_values=cfg.layer_init_values[i],
+            norm_layer=norm_layer,
+            proj_drop=cfg.proj_drop_rate,
+            attn_drop=cfg.attn_drop_rate,
+            drop_path=rates[i],
+            stochastic_depth=cfg.stochastic_depth,
+            num_kv_heads=cfg.layer_kv_heads[i],
+            qk_norm=cfg.qk_norm,
+            rope_dtype=cfg.rope_dtype,
+        )
+        for i in range(cfg.depth)
+    )
 
 
 class VisionTransformerLS(nn.Module):
@@ -107,7 +139,7 @@ class VisionTransformerLS(nn.Module):
                     module.gamma.requires_grad_(False)
 
     def _build(self, cfg: VitLsConfig) -> None:
-        norm_layer = partial(nn.LayerNorm, eps=cfg.norm_eps)
+        norm_layer = make_norm(cfg.norm_layer, cfg.norm_eps)
         dim = cfg.embed_dim
         self.patch_embed = PatchEmbed(
             img_size=cfg.img_size,
@@ -121,7 +153,7 @@ class VisionTransformerLS(nn.Module):
         )
         self.cls_token = nn.Parameter(torch.empty(1, 1, dim))
         self.storage_tokens = nn.Parameter(torch.empty(1, cfg.num_storage_tokens, dim))
-        self.mask_token = nn.Parameter(torch.empty(1, dim))
+        self.mask_token = nn.Parameter(torch.empty(1, dim)) if cfg.mask_token else None
         self.rope_embed = RopeEmbedding(
             cfg.head_dim,
             num_prefix_tokens=cfg.num_prefix_tokens,
@@ -131,31 +163,9 @@ class VisionTransformerLS(nn.Module):
             jitter_coords=cfg.rope_jitter_coords,
             rescale_coords=cfg.rope_rescale_coords,
             round_periods_to_bf16=cfg.rope_periods_bf16,
+            dtype=cfg.rope_dtype,
         )
-        if cfg.stochastic_depth == "drop_path":
-            rates = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
-        else:
-            rates = [cfg.drop_path_rate] * cfg.depth
-        self.blocks = nn.ModuleList(
-            Block(
-                dim,
-                cfg.num_heads,
-                ffn_layer=cfg.ffn_layer,
-                ffn_ratio=cfg.ffn_ratio,
-                swiglu_align_to=cfg.swiglu_align_to,
-                qkv_bias=cfg.qkv_bias,
-                mask_k_bias=cfg.mask_k_bias,
-                proj_bias=cfg.proj_bias,
-                ffn_bias=cfg.ffn_bias,
-                init_values=cfg.layer_init_values[i],
-                norm_layer=norm_layer,
-                proj_drop=cfg.proj_drop_rate,
-                attn_drop=cfg.attn_drop_rate,
-                drop_path=rates[i],
-                stochastic_depth=cfg.stochastic_depth,
-            )
-            for i in range(cfg.depth)
-        )
+        self.blocks = _make_blocks(cfg, norm_layer)
         self.feature_info = [
             dict(module=f"blocks.{i}", num_chs=dim, reduction=cfg.patch_size) for i in range(cfg.depth)
         ]
@@ -167,13 +177,12 @@ class VisionTransformerLS(nn.Module):
         if self.cls_token.device.type != "meta":
             self.init_weights()
 
-    # ----------------------------------------------------------------------------------------------- init
-
     def init_weights(self) -> None:
         """DINOv3's initialisation; LayerScale gammas come out equal to their `init_values`."""
         nn.init.normal_(self.cls_token, std=0.02)
         nn.init.normal_(self.storage_tokens, std=0.02)
-        nn.init.zeros_(self.mask_token)
+        if self.mask_token is not None:
+            nn.init.zeros_(self.mask_token)
         self.rope_embed.reset_parameters()
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -182,7 +191,7 @@ class VisionTransformerLS(nn.Module):
                     nn.init.zeros_(module.bias)
                 if isinstance(module, KMaskedBiasLinear):
                     module.reset_bias_mask()
-            elif isinstance(module, (nn.LayerNorm, LayerScale, nn.Conv2d)):
+            elif isinstance(module, (*NORMS, LayerScale, nn.Conv2d)):
                 module.reset_parameters()
 
     reset_parameters = init_weights
@@ -280,21 +289,26 @@ class VisionTransformerLS(nn.Module):
             channels = (self.pretrained_cfg.get("input_size") or (self.in_chans,))[0]
             self.pretrained_cfg = self.default_cfg = {**self.pretrained_cfg, "input_size": (channels, height, width)}
 
-    # ------------------------------------------------------------------------------------------ forward
-
     def _patch_grid(self, x: torch.Tensor) -> tuple[int, int]:
         return patch_grid(x, self.patch_size, self.patch_embed.dynamic_img_pad)
 
     def prepare_tokens(self, x: torch.Tensor, masks: torch.Tensor | None = None) -> torch.Tensor:
         """`[cls, storage x N, patches]`; masked patches are replaced by `mask_token`."""
         x = self.patch_embed(x).flatten(1, 2)
+        mask_token = self.mask_token
         if masks is not None:
-            x = torch.where(masks.unsqueeze(-1), self.mask_token.to(x.dtype).unsqueeze(0), x)
-            cls_token = self.cls_token
-        else:
-            # Keeps mask_token in the graph, so DDP without find_unused_parameters accepts it.
-            cls_token = self.cls_token + 0 * self.mask_token
-        return self._with_prefix(x, cls_token)
+            if mask_token is None:
+                raise ValueError("masks: this model has no mask token (mask_token=False); pass masks=None")
+            x = torch.where(masks.unsqueeze(-1), mask_token.to(x.dtype).unsqueeze(0), x)
+        return self._with_prefix(x, self._cls_token(masks is None))
+
+    def _cls_token(self, unmasked: bool = True) -> torch.Tensor:
+        """Without masks, `cls_token + 0 * mask_token` keeps the mask token in the graph (DDP without
+        find_unused_parameters accepts it)."""
+        mask_token = self.mask_token
+        if unmasked and mask_token is not None:
+            return self.cls_token + 0 * mask_token
+        return self.cls_token
 
     def _with_prefix(self, x: torch.Tensor, cls_token: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
@@ -365,8 +379,6 @@ class VisionTransformerLS(nn.Module):
         Annotated for images alone: FX graphs take this signature, and TorchScript then compiles them."""
         return self.forward_head(self.forward_features(x))
 
-    # ------------------------------------------------------------------------------------------ NaFlex
-
     def _naflex_tokens(
         self, batch: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor, list[Rope], torch.Tensor | None]:
@@ -375,7 +387,7 @@ class VisionTransformerLS(nn.Module):
         cfg, proj = self.config, self.patch_embed.proj
         naflex = read_naflex_batch(batch, cfg)
         x = embed_patches(naflex, proj.weight, proj.bias, cfg.patchify_channels_last, cfg.enable_patch_interpolator)
-        x = self._with_prefix(self.patch_embed.norm(x), self.cls_token + 0 * self.mask_token)
+        x = self._with_prefix(self.patch_embed.norm(x), self._cls_token())
         coords = naflex_patch_centres(naflex.patch_coord, naflex.patch_valid, self.rope_embed.normalize_coords)
         if self.training and self.rope_embed.augments:  # one draw per block, shared by the batch, as Meta's
             ropes = [self.rope_embed.from_coords(coords) for _ in self.blocks]

@@ -101,12 +101,23 @@ META_TRAIN_SPEC = FormatSpec(
 )
 HF_SPEC = FormatSpec(
     "hf",
-    "transformers' DINOv3ViTModel folder",
+    "transformers' DINOv3ViTModel or Sapiens2Model folder (by the weights' family)",
     FOLDER,
     files=(CONFIG, WEIGHTS, "model-*-of-*.safetensors", "model.safetensors.index.json"),
 )
-TIMM_SPEC = FormatSpec("timm", "timm's eva DINOv3 folder", FOLDER, files=(CONFIG, WEIGHTS))
-FORMATS = (NATIVE_SPEC, META_SPEC, META_TRAIN_SPEC, HF_SPEC, TIMM_SPEC)
+TIMM_SPEC = FormatSpec(
+    "timm",
+    "timm's eva folder of the weights' family (DINOv3, EUPE, LingBot, Sapiens2)",
+    FOLDER,
+    files=(CONFIG, WEIGHTS),
+)
+SAPIENS2_SPEC = FormatSpec(
+    "sapiens2",
+    "Sapiens2's own keys (facebookresearch/sapiens2) in one .pth or .safetensors file",
+    FILE,
+    (*TORCH_SUFFIXES, ".safetensors"),
+)
+FORMATS = (NATIVE_SPEC, META_SPEC, META_TRAIN_SPEC, HF_SPEC, TIMM_SPEC, SAPIENS2_SPEC)
 FORMAT_NAMES = tuple(spec.name for spec in FORMATS)
 
 

@@ -140,7 +140,7 @@ def test_fused_conversion_says_so(runs: dict[str, Run]) -> None:
         ("unknown_weights", "unknown weights set 'best'; pass --weights one of auto, ema, raw"),
         ("unknown_model", "unknown model 'vit_ls_smal_patch16_dinov3'; did you mean vit_ls_small_patch16_dinov3"),
         ("exists", "exists; pass --overwrite"),
-        ("no_variant", "match no registered variant; the nearest is vit_ls_small_patch16_dinov3: cls_token is"),
+        ("no_variant", "match no registered variant; the nearest is vit_ls_tiny_patch16_dinov3: cls_token is"),
         ("missing", "absent.pth does not exist"),
         ("nan_strict", "LayerScale gammas are NaN or Inf in blocks 0.attn"),
         ("meta_suffix", "--to meta writes one file: name it .pth, .pt, .bin or .safetensors"),
@@ -270,12 +270,12 @@ def test_a_native_folder_to_meta_summary_counts_its_model_arguments_and_json_lis
     native = files / "out-native"  # with its config.json: every model argument, named there
     assert main(["convert", str(native), str(files / "short.pth"), "--to", "meta"]) == 0
     summary = capsys.readouterr().out.splitlines()[-1]
-    assert "vit_ls_small_patch16_dinov3 (recorded in config.json, with 37 model arguments)" in summary
+    assert "vit_ls_small_patch16_dinov3 (recorded in config.json, with 42 model arguments)" in summary
     assert len(summary) - len(str(native)) - len(str(files / "short.pth")) <= 200, summary
     assert main(["convert", str(native), str(files / "short.safetensors"), "--to", "meta", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["keys"] == "Meta DINOv3 keys" and result["layout"] == "meta" and result["target"] == "meta"
-    assert result["model_args"]["embed_dim"] == TINY["embed_dim"] and len(result["model_args"]) == 39
+    assert result["model_args"]["embed_dim"] == TINY["embed_dim"] and len(result["model_args"]) == 44
     assert result["summary"].startswith(f"converted {native} (Hub folder, Meta DINOv3 keys, weights: ")
     assert result["destination"] == str(files / "short.safetensors") and (files / "short.safetensors").is_file()
 

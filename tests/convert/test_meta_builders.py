@@ -46,7 +46,8 @@ def timm_plain_file(name: str, layout=TIMM, **options) -> LazyCheckpoint:
     variant, _, tag = name.partition(".")
     args = {**VARIANTS[variant].model_args, **VARIANTS[variant].tag_model_args(tag or None), "num_classes": 0}
     state = expected_state(VARIANTS[variant].config.replace(**args))
-    eva, _ = layout.table.from_native(state, **(options or {"qkv_bias": False}))
+    options = {**(options or {"qkv_bias": False}), "dim": VARIANTS[variant].config.embed_dim}
+    eva, _ = layout.table.from_native(state, **options)
     infos = {k: eva.info(k) for k in eva}
 
     def read(key: str) -> torch.Tensor:

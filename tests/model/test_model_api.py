@@ -26,14 +26,43 @@ PARAMS_M = {
 # timm 1.0.31 records model arguments (create_model's, and resizes) and its save_for_hf writes them.
 RECORDS_MODEL_ARGS = Version(timm.__version__) >= Version("1.0.31")
 TAGS = {
-    "vit_ls_small_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
+    "vit_ls_tiny_patch16_dinov3": ["eupe_lvd1689m"],
+    "vit_ls_small_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook", "eupe_lvd1689m"],
     "vit_ls_small_plus_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
-    "vit_ls_base_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
+    "vit_ls_base_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook", "eupe_lvd1689m"],
     "vit_ls_large_patch16_dinov3": ["lvd1689m", "sat493m", "lvd1689m_facebook", "sat493m_facebook"],
     "vit_ls_large_plus_patch16_dinov3": [],
     "vit_ls_huge_plus_patch16_dinov3": ["lvd1689m", "lvd1689m_facebook"],
     "vit_ls_7b_patch16_dinov3": ["lvd1689m", "sat493m", "lvd1689m_facebook", "sat493m_facebook"],
+    **{f"vit_ls_{s}_patch16_lingbot": ["robbyant"] for s in ("small", "base", "large", "giant")},
+    **{f"vit_ls_{s}_patch16_sapiens2": ["fb"] for s in ("base", "large", "huge", "giant", "5b")},
 }
+# Our tags of the other families -> timm's eva tag of the same weights.
+EVA_TAGS = {
+    **{
+        f"vit_ls_{s}_patch16_dinov3.eupe_lvd1689m": f"vit_{s}_patch16_dinov3_qkvb.eupe_lvd1689m"
+        for s in ("tiny", "small", "base")
+    },
+    **{
+        f"vit_ls_{s}_patch16_lingbot.robbyant": f"vit_{s}_patch16_lingbot.robbyant"
+        for s in ("small", "base", "large", "giant")
+    },
+    **{
+        f"vit_ls_{s}_patch16_sapiens2.fb": f"vit_{s}_patch16_sapiens2.fb"
+        for s in ("base", "large", "huge", "giant", "5b")
+    },
+}
+DATA_FIELDS = (
+    "hf_hub_id",
+    "license",
+    "input_size",
+    "min_input_size",
+    "interpolation",
+    "crop_pct",
+    "crop_mode",
+    "mean",
+    "std",
+)
 
 
 def tiny(name="vit_ls_small_patch16_dinov3", **kwargs):
@@ -49,9 +78,25 @@ def test_registration_and_tags():
         cfg = timm.models.get_pretrained_cfg(name)
         if name.endswith("_facebook"):  # Meta's official repos, checked in test_hub_sources.py
             assert cfg.hf_hub_id.startswith("facebook/dinov3-vit")
+        elif name in EVA_TAGS:  # checked against timm's own tags below
+            continue
         else:
             assert cfg.hf_hub_id.startswith("timm/vit_") and cfg.hf_hub_id.endswith(name.split(".")[1])
     assert timm.models.get_pretrained_cfg("vit_ls_7b_patch16_dinov3.sat493m").mean == (0.430, 0.411, 0.296)
+
+
+@pytest.mark.skipif(not timm.models.is_model("vit_base_patch16_sapiens2"), reason="this timm has no such tags")
+@pytest.mark.parametrize("name", sorted(EVA_TAGS))
+def test_each_family_tag_is_timms_repo_licence_and_data_config(name):
+    ours, theirs = timm.models.get_pretrained_cfg(name), timm.models.get_pretrained_cfg(EVA_TAGS[name])
+    assert {f: getattr(ours, f) for f in DATA_FIELDS} == {f: getattr(theirs, f) for f in DATA_FIELDS}
+    assert not ours.fixed_input_size  # ours take any size
+    model, eva = (timm.create_model(n, device="meta", num_classes=0) for n in (name, EVA_TAGS[name].split(".")[0]))
+    count, eva_count = (sum(p.numel() for p in m.parameters()) for m in (model, eva))
+    # ours keep the mask token and the (masked) k bias, which eva's DINOv3-layout ports drop; Sapiens2 has neither
+    extra = 0 if name.endswith(".fb") else model.embed_dim * (1 + len(model.blocks) * model.config.qkv_bias)
+    assert count - extra == eva_count
+    assert abs(count - eva_count) / eva_count < 1e-3
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS_M))

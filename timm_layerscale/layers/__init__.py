@@ -1,4 +1,4 @@
-from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask
+from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask, qkv_sizes, split_qkv
 from .block import Block
 from .ffn import SwiGLU, ffn_hidden_features, swiglu_hidden_features
 from .layer_scale import LayerScale, fold_gamma, layer_scale_or_identity
@@ -6,9 +6,11 @@ from .naflex_batch import NaFlexBatch, read_naflex_batch
 from .naflex_embed import embed_patches
 from .naflex_grid import naflex_patch_centres, padding_key_mask
 from .naflex_pool import pool_valid_tokens
+from .norm import NORMS, make_norm
 from .rope import RopeEmbedding, apply_rope
 
 __all__ = [
+    "NORMS",
     "Attention",
     "Block",
     "KMaskedBiasLinear",
@@ -23,9 +25,12 @@ __all__ = [
     "fold_gamma",
     "k_bias_mask",
     "layer_scale_or_identity",
+    "make_norm",
     "naflex_patch_centres",
     "padding_key_mask",
     "pool_valid_tokens",
+    "qkv_sizes",
     "read_naflex_batch",
+    "split_qkv",
     "swiglu_hidden_features",
 ]

@@ -59,10 +59,24 @@ class Block(nn.Module):
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
         stochastic_depth: str = "drop_path",
+        num_kv_heads: int | None = None,
+        qk_norm: bool = False,
+        rope_dtype: str = "fp32",
     ) -> None:
         super().__init__()
         self.norm1 = norm_layer(dim)
-        self.attn = Attention(dim, num_heads, qkv_bias, mask_k_bias, proj_bias, attn_drop, proj_drop)
+        self.attn = Attention(
+            dim,
+            num_heads,
+            qkv_bias,
+            mask_k_bias,
+            proj_bias,
+            attn_drop,
+            proj_drop,
+            num_kv_heads=num_kv_heads,
+            qk_norm=norm_layer if qk_norm else None,
+            rope_dtype=rope_dtype,
+        )
         self.ls1 = layer_scale_or_identity(dim, init_values[0])
         self.norm2 = norm_layer(dim)
         hidden = ffn_hidden_features(dim, ffn_layer, ffn_ratio, swiglu_align_to)

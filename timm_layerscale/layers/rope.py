@@ -24,15 +24,15 @@ def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
 @torch.fx.wrap
 @register_notrace_function
 def patch_centre_coords(height: int, width: int, normalize_coords: str, like: torch.Tensor) -> torch.Tensor:
-    """Patch centres `[height * width, 2]` (y, x) in fp32 on `like`'s device, normalised to [-1, 1] per side
-    as `normalize_coords` says."""
+    """Patch centres `[height * width, 2]` (y, x) in `like`'s dtype (fp32, or bf16 for bf16 RoPE) and on its
+    device, normalised to [-1, 1] per side as `normalize_coords` says."""
     if normalize_coords == "separate":
         h_den, w_den = height, width
     else:
         h_den = w_den = max(height, width) if normalize_coords == "max" else min(height, width)
     # `arange(n) + 0.5` equals `arange(0.5, n)` and keeps the length symbolic for torch.export.
-    coords_h = (torch.arange(height, device=like.device, dtype=torch.float32) + 0.5) / h_den
-    coords_w = (torch.arange(width, device=like.device, dtype=torch.float32) + 0.5) / w_den
+    coords_h = (torch.arange(height, device=like.device, dtype=like.dtype) + 0.5) / h_den
+    coords_w = (torch.arange(width, device=like.device, dtype=like.dtype) + 0.5) / w_den
     coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
     return 2.0 * coords - 1.0
 
@@ -48,6 +48,7 @@ class RopeEmbedding(nn.Module):
         jitter_coords: float | None = None,
         rescale_coords: float | None = None,
         round_periods_to_bf16: bool = True,
+        dtype: str = "fp32",
     ) -> None:
         super().__init__()
         if head_dim % 4:
@@ -62,6 +63,8 @@ class RopeEmbedding(nn.Module):
         self.jitter_coords = jitter_coords
         self.rescale_coords = rescale_coords
         self.round_periods_to_bf16 = round_periods_to_bf16
+        # bf16: coordinates, angles, sin and cos in bf16, as Sapiens2's released code computes them.
+        self.bf16 = dtype == "bf16"
         # Whether training draws random coordinate changes (then each block gets its own draw).
         self.augments = any(v is not None for v in (shift_coords, jitter_coords, rescale_coords))
         # Persistent: released checkpoints carry their own (bf16-rounded) periods, which must win.
@@ -77,6 +80,10 @@ class RopeEmbedding(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
+        if self.bf16:  # Sapiens2's formula, computed in bf16
+            steps = 2 * torch.arange(self.head_dim // 4, dtype=torch.bfloat16) / (self.head_dim // 2)
+            self.periods.copy_(self.base**steps)
+            return
         exponents = torch.arange(self.head_dim // 4, dtype=torch.float32) * 4 / self.head_dim
         periods = self.base**exponents
         self.periods.copy_(bf16_rounded(periods) if self.round_periods_to_bf16 else periods)
@@ -102,12 +109,16 @@ class RopeEmbedding(nn.Module):
         Prefix tokens get the identity rotation (sin 0, cos 1), so attention rotates all tokens at once.
         The sin's first half is negated: `rotate_half(x) * sin == x.roll(half) * signed_sin`, one kernel less.
         """
-        return self.from_coords(patch_centre_coords(height, width, self.normalize_coords, self.periods))
+        return self.from_coords(patch_centre_coords(height, width, self.normalize_coords, self._periods()))
+
+    def _periods(self) -> torch.Tensor:
+        return self.periods.to(torch.bfloat16) if self.bf16 else self.periods.float()
 
     def from_coords(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s (sin, cos) for patch centres `coords` [..., tokens, 2] (y, x) normalised to [-1, 1]:
         one image's grid, or a NaFlex batch's [batch, tokens, 2] with each image's own grid."""
-        angles = 2 * math.pi * self._augment(coords)[..., None] / self.periods.float()
+        periods = self._periods()
+        angles = 2 * math.pi * self._augment(coords.to(periods.dtype))[..., None] / periods
         angles = angles.flatten(-2)
         # The prefix rows are padded on after sin and cos, not concatenated before: TorchScript's autodiff
         # leaves a list of tensors unguarded, and under inference_mode would save them for backward.
@@ -133,6 +144,19 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
         # The halves swapped by one cat: `roll` would first copy a strided `x` (the q/k slice of qkv) whole.
         rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
     return (x * cos).add_(rotated).to(x.dtype)
+
+
+def apply_rope_bf16(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates the last dim of `x` in bf16 with bf16 tables, each product and the sum rounded to bf16, then
+    casts back: Sapiens2's released rotation exactly (it casts q and k to the tables' dtype)."""
+    signed_sin, cos = rope
+    y = x.to(torch.bfloat16)
+    half = x.shape[-1] // 2
+    if torch.jit.is_scripting():  # a flip, not a cat, as in `apply_rope`
+        swapped = y.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    else:
+        swapped = torch.cat([y[..., half:], y[..., :half]], dim=-1)
+    return (y * cos.to(torch.bfloat16) + swapped * signed_sin.to(torch.bfloat16)).to(x.dtype)
 
 
 def apply_rope_low_precision(

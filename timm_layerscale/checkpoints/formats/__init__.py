@@ -6,7 +6,8 @@
 | meta | meta.py | one `.pth` (or `.safetensors`) | none (Meta's code builds the model) |
 | meta-train | meta_train.py | `{"teacher": ...}` `.pth`, or a DCP folder (`model.*`) | Meta's training YAML (printed) |
 | hf | transformers.py | `model.safetensors` (sharded above 5 GB, with an index) | transformers `config.json` |
-| timm | timm_eva.py | `model.safetensors` | timm `config.json`: eva's DINOv3 architecture (`_qkvb` for q/v biases) |
+| timm | timm.py | `model.safetensors` | timm `config.json`: eva's architecture of the family (`_qkvb` for q/v biases) |
+| sapiens2 | sapiens2.py | one `.pth` (or `.safetensors`) | none (upstream's code builds the model) |
 
 Adding a format is one module with a `Format` subclass and one `register_format` call; convert, export, inspect
 and loading find it by name or by recognition.
@@ -27,6 +28,7 @@ from .hf import HF
 from .meta import META
 from .meta_train import META_TRAIN
 from .native import NATIVE
+from .sapiens2 import SAPIENS2
 from .timm import TIMM
 
 __all__ = [
@@ -47,7 +49,7 @@ __all__ = [
 FORMATS: dict[str, Format] = {}  # by name, in the order the command lists them
 # The order recognition asks the shipped formats in: the most specific keys first (eva's and transformers'
 # names, then a native file's head, then Meta's own keys). Formats registered later are asked before them.
-SHIPPED_RECOGNITION = ("timm", "hf", "native", "meta")
+SHIPPED_RECOGNITION = ("sapiens2", "timm", "hf", "native", "meta")
 
 
 def register_format(added: Format) -> Format:
@@ -58,7 +60,7 @@ def register_format(added: Format) -> Format:
     return added
 
 
-for _shipped in (NATIVE, META, META_TRAIN, HF, TIMM):
+for _shipped in (NATIVE, META, META_TRAIN, HF, TIMM, SAPIENS2):
     register_format(_shipped)
 
 
@@ -98,7 +100,7 @@ def recognise(source: Mapping[str, torch.Tensor]) -> Format:
             return candidate
     raise CheckpointError(
         f"unrecognised checkpoint layout (first keys: {', '.join(keys[:4])}); expected Meta DINOv3, "
-        f"transformers DINOv3ViT or timm eva DINOv3 weights"
+        f"transformers DINOv3ViT/Sapiens2, timm eva or Sapiens2 weights"
     )
 
 

@@ -19,7 +19,7 @@ from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
 from ...config import VitLsConfig
-from ...layers import effective_qkv_bias, ffn_hidden_features
+from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import native_gamma_key
 from ..mapping.keys import KeyTable
@@ -151,6 +151,19 @@ def write_fields(fields: Sequence[ConfigField], config: VitLsConfig) -> dict[str
     return {f.theirs: f.write(config) if f.write else getattr(config, f.ours) for f in fields}
 
 
+def family(config: VitLsConfig) -> str:
+    """The family whose layout a model has: "sapiens2" (RMSNorm, qk-norm, grouped k/v) or "dinov3" (DINOv3's,
+    which EUPE and LingBot-Vision share)."""
+    sapiens2 = config.norm_layer == "rmsnorm" or config.qk_norm or config.grouped_attention
+    return "sapiens2" if sapiens2 else "dinov3"
+
+
+def refuse_family(config: VitLsConfig, holds: str, what: str, instead: str) -> None:
+    """One error line when a format holding only the `holds` family is asked to write another."""
+    if family(config) != holds:
+        raise CheckpointError(f"{what} cannot hold a {family(config)} model; convert --to {instead} instead")
+
+
 def hidden_features(config: VitLsConfig) -> int:
     """The FFN's hidden width of a config's blocks, by the layers' one rule."""
     return ffn_hidden_features(config.embed_dim, config.ffn_layer, config.ffn_ratio, config.swiglu_align_to)
@@ -170,9 +183,12 @@ def pretrained_cfg_fields(pretrained_cfg: Mapping[str, Any], num_classes: int) -
     return cfg
 
 
-def with_all_gammas(tensors: Plan, depth: int, dim: int, dtype: torch.dtype) -> Plan:
-    """Adds gammas of 1 where a branch has none: the same outputs in a format that always has LayerScale."""
-    keys = [native_gamma_key(i, branch) for i in range(depth) for branch in (1, 2)]
+def with_all_gammas(
+    tensors: Plan, depth: int, dim: int, dtype: torch.dtype, branches: tuple[int, ...] = (1, 2)
+) -> Plan:
+    """Adds gammas of 1 where a branch has none: the same outputs in a format that always has LayerScale (on
+    `branches`: Sapiens2's layouts have it on the attention branch only)."""
+    keys = [native_gamma_key(i, branch) for i in range(depth) for branch in branches]
     missing = [key for key in keys if key not in tensors]
     if not missing:
         return tensors
@@ -180,13 +196,15 @@ def with_all_gammas(tensors: Plan, depth: int, dim: int, dtype: torch.dtype) -> 
     return Plan(tensors, [*passthrough(tensors), *(Step((key,), (), lambda: (ones,)) for key in missing)])
 
 
-def k_bias_blocks(tensors: Mapping[str, Tensor], depth: int) -> list[int]:
+def k_bias_blocks(tensors: Mapping[str, Tensor], config: VitLsConfig) -> list[int]:
     """The blocks whose effective k bias is non-zero (read now: only the few small bias tensors)."""
     found = []
-    for i in range(depth):
+    for i in range(config.depth):
         key = f"blocks.{i}.attn.qkv.bias"
-        if key in tensors and effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")).chunk(3)[1].any():
-            found.append(i)
+        if key in tensors:
+            bias = effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask"))
+            if split_qkv(bias, config.embed_dim)[1].any():
+                found.append(i)
     return found
 
 

@@ -18,7 +18,7 @@ import torch
 from timm_ls.names import HF_SPEC
 
 from ...config import VitLsConfig
-from ...layers import effective_qkv_bias
+from ...layers import effective_qkv_bias, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
@@ -30,6 +30,7 @@ from .base import (
     Job,
     SourceConfig,
     WritePlan,
+    family,
     ffn_args,
     hidden_features,
     k_bias_blocks,
@@ -47,8 +48,8 @@ def _fuse(*parts: Tensor, **_) -> tuple[Tensor]:
     return (torch.cat(parts),)
 
 
-def _split3(qkv: Tensor, **_) -> tuple[Tensor, ...]:
-    return qkv.chunk(3)
+def _split3(qkv: Tensor, *, dim: int, **_) -> tuple[Tensor, ...]:
+    return split_qkv(qkv, dim)
 
 
 def _qkv_bias_from_parts(q: Tensor, k: Tensor | None, v: Tensor, **_) -> tuple[Tensor, Tensor | None]:
@@ -56,11 +57,12 @@ def _qkv_bias_from_parts(q: Tensor, k: Tensor | None, v: Tensor, **_) -> tuple[T
     # keeps it through a mask of ones.
     if k is None:
         return torch.cat([q, torch.zeros_like(q), v]), None
-    return torch.cat([q, k, v]), torch.ones(3 * q.shape[0], dtype=q.dtype, device=q.device)
+    qkv = torch.cat([q, k, v])
+    return qkv, torch.ones_like(qkv)
 
 
-def _qkv_bias_to_parts(bias: Tensor, mask: Tensor | None, *, k_bias: bool = False, **_):
-    q, k, v = effective_qkv_bias(bias, mask).chunk(3)
+def _qkv_bias_to_parts(bias: Tensor, mask: Tensor | None, *, dim: int, k_bias: bool = False, **_):
+    q, k, v = split_qkv(effective_qkv_bias(bias, mask), dim)
     return q, k if k_bias else None, v
 
 
@@ -95,6 +97,8 @@ TABLE = KeyTable(
             _qkv_bias_from_parts,
             _qkv_bias_to_parts,
         ),
+        row("blocks.{i}.attn.q_norm.weight", "layer.{i}.attention.q_norm.weight"),
+        row("blocks.{i}.attn.k_norm.weight", "layer.{i}.attention.k_norm.weight"),
         row("blocks.{i}.attn.proj.{p}", "layer.{i}.attention.o_proj.{p}"),
         row(_native_gamma(1), "layer.{i}." + gamma_name(SPELLING, 1)),
         row("blocks.{i}.norm2.{p}", "layer.{i}.norm2.{p}"),
@@ -145,8 +149,57 @@ CONFIG_FIELDS = (
 )
 
 
+# Sapiens2Config <-> model args, beside the fields it shares with DINOv3ViTConfig (its norms are RMSNorm).
+SAPIENS2_FIELDS = (
+    *(f for f in CONFIG_FIELDS if f.theirs not in ("layer_norm_eps", "query_bias", "value_bias")),
+    ConfigField("rms_norm_eps", "norm_eps"),
+    ConfigField("query_bias", "qkv_bias"),
+    ConfigField("key_bias", "qkv_bias"),
+    ConfigField("value_bias", "qkv_bias"),
+    ConfigField("use_qk_norm", "qk_norm"),
+    ConfigField("use_mask_token", "mask_token"),
+    ConfigField(
+        "num_key_value_heads_per_layer",
+        write=lambda c: c.layer_kv_heads,
+        read=lambda cfg: {"num_kv_heads": list(cfg["num_key_value_heads_per_layer"])},
+    ),
+)
+SAPIENS2_FIXED = {"norm_layer": "rmsnorm", "ffn_layer": "swiglu", "mask_k_bias": False}
+
+
+def _sapiens2_args(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    args = {**read_fields(SAPIENS2_FIELDS, cfg), **SAPIENS2_FIXED}
+    dim = args.get("embed_dim", 1024)
+    args.update(ffn_args(dim, cfg.get("intermediate_size", 4 * dim), True))
+    if "num_key_value_heads_per_layer" not in cfg:  # transformers' own default pattern
+        heads, depth = cfg.get("num_attention_heads", 16), cfg.get("num_hidden_layers", 24)
+        kv = cfg.get("num_key_value_attention_heads", 8)
+        first, last = cfg.get("num_first_full_attention_layers", 8), cfg.get("num_last_full_attention_layers", 8)
+        args["num_kv_heads"] = [heads if i < first or i >= depth - last else kv for i in range(depth)]
+    return args
+
+
+def sapiens2_config(config: VitLsConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """transformers' config.json for Sapiens2Model, every field named (the k/v heads per block too: its
+    default of 8 grouped heads is wrong for the 1B and the 5B)."""
+    for name, fixed in SAPIENS2_FIXED.items():
+        if getattr(config, name) != fixed:
+            raise CheckpointError(
+                f"transformers' Sapiens2Model fixes {name}={fixed!r}, this model has {name}={getattr(config, name)!r}; "
+                f"convert --to native instead"
+            )
+    return {
+        "architectures": ["Sapiens2Model"],
+        "model_type": "sapiens2",
+        **write_fields(SAPIENS2_FIELDS, config),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
 def transformers_config(config: VitLsConfig, k_bias: bool, dtype: torch.dtype) -> dict[str, Any]:
-    """transformers' config.json for DINOv3ViTModel, every field named."""
+    """transformers' config.json for the model of the weights' family: DINOv3ViTModel or Sapiens2Model."""
+    if family(config) == "sapiens2":
+        return sapiens2_config(config, dtype)
     if config.rope_normalize_coords != "separate":
         raise CheckpointError(
             f"transformers' DINOv3ViTModel normalises RoPE coordinates per side ('separate'), this model uses "
@@ -164,7 +217,7 @@ def transformers_config(config: VitLsConfig, k_bias: bool, dtype: torch.dtype) -
 
 class HuggingFace(Format):
     spec = HF_SPEC
-    title = "transformers DINOv3ViTModel keys"
+    title = "transformers DINOv3ViTModel or Sapiens2Model keys"
     table = TABLE
     unheld_args = frozenset({"local_cls_norm"})  # DINOv3ViTModel has no local-crop norm
 
@@ -173,6 +226,8 @@ class HuggingFace(Format):
         return any(k.startswith(("embeddings.", "layer.", "model.layer.")) or lambda1 in k for k in keys)
 
     def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
+        if cfg.get("model_type") == "sapiens2":
+            return SourceConfig(_sapiens2_args(cfg))
         if cfg.get("model_type") != "dinov3_vit":
             return None
         args = read_fields(CONFIG_FIELDS, cfg)
@@ -183,9 +238,16 @@ class HuggingFace(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         config = job.config
-        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
-        k_bias = bool(k_bias_blocks(full, config.depth))
-        out, unheld = self.table.from_native(full, k_bias=k_bias)
+        sapiens2 = family(config) == "sapiens2"
+        if sapiens2 and any(mlp is not None for _, mlp in config.layer_init_values):
+            raise CheckpointError(
+                "transformers' Sapiens2Model has no LayerScale on the MLP branch and this model has: fold it "
+                "first (--fuse-layerscale), or convert --to native"
+            )
+        branches = (1,) if sapiens2 else (1, 2)
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
+        k_bias = sapiens2 or bool(k_bias_blocks(full, config))
+        out, unheld = self.table.from_native(full, k_bias=k_bias, dim=config.embed_dim)
         not_held, warnings = not_held_report(unheld, self.name)
         cfg = transformers_config(config, k_bias, job.fill_dtype)
 

@@ -15,7 +15,7 @@ from timm_ls.names import META_SPEC
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
 from ..write.writers import write_safetensors, write_torch_file
-from .base import Format, Job, WritePlan, not_held_report, with_all_gammas
+from .base import Format, Job, WritePlan, not_held_report, refuse_family, with_all_gammas
 
 # Every key of the native layout, by pattern. Meta's files use exactly these keys (Meta has no `head`).
 NATIVE_KEYS = (
@@ -28,6 +28,8 @@ NATIVE_KEYS = (
     "blocks.{i}.attn.qkv.weight",
     "blocks.{i}.attn.qkv.bias",
     "blocks.{i}.attn.qkv.bias_mask",
+    "blocks.{i}.attn.q_norm.weight",
+    "blocks.{i}.attn.k_norm.weight",
     "blocks.{i}.attn.proj.{p}",
     "blocks.{i}." + gamma_name(NATIVE_SPELLING, 1),
     "blocks.{i}.norm2.{p}",
@@ -60,6 +62,7 @@ class Meta(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         config = job.config
+        refuse_family(config, "dinov3", "Meta's DINOv3 code", "sapiens2, native, hf or timm")
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
         out, unheld = self.table.from_native(full)
         not_held, warnings = not_held_report(unheld, self.name)

@@ -36,7 +36,7 @@ from ..mapping.plan import Plan, TensorInfo, cast_plan, info_of, passthrough
 from ..read.reader import ONLY_SET, LazyCheckpoint
 from ..write.dcp import write_dcp
 from ..write.writers import Progress, write_torch_file
-from .base import OUTPUT_CHANGING, PERIODS, Format, Job, WritePlan, not_held_report, with_all_gammas
+from .base import OUTPUT_CHANGING, PERIODS, Format, Job, WritePlan, not_held_report, refuse_family, with_all_gammas
 from .meta import META
 
 Tensor = torch.Tensor
@@ -194,13 +194,17 @@ META_NORMS = {1e-5: "layernormbf16", 1e-6: "layernorm"}
 # The RoPE coordinate rescaling Meta pretrained every released backbone with (its hub builders and its
 # training configs), a training-time augmentation, printed where a backbone's config sets none.
 META_RESCALE_COORDS = 2
-# Our RoPE computes in fp32 whatever the config: `rope_periods_bf16` rounds the periods' values to bf16 (as
-# the released checkpoints store them), not the compute dtype. Meta's hub builders say fp32 too; its
-# build_model reads no pos_embed_rope_dtype, so its trainer keeps the constructor's bf16 whatever is printed.
-ROPE_DTYPE_NOTE = (
-    "fp32  # RoPE computed in fp32, as this model and Meta's hub builders do (rope_periods_bf16 rounds only the "
-    "stored periods); Meta's build_model ignores this key and computes it in bf16"
-)
+
+
+def rope_dtype_line(config: VitLsConfig) -> str:
+    """`rope_dtype` is what RoPE computes in (fp32 for Meta's hub builders and this family's variants);
+    `rope_periods_bf16` rounds only the stored periods. Meta's build_model reads no pos_embed_rope_dtype, so
+    its trainer keeps the constructor's bf16 whatever is printed: the comment says so."""
+    return (
+        f"{config.rope_dtype}  # RoPE computed in {config.rope_dtype}, as this model and Meta's hub builders do "
+        "(rope_periods_bf16 rounds only the stored periods); Meta's build_model ignores this key and computes it "
+        "in bf16"
+    )
 
 
 def _shape(config: VitLsConfig) -> tuple[int, int, int, float]:
@@ -279,7 +283,7 @@ def student_lines(config: VitLsConfig, path: str, layer_scale: bool, bias_mask: 
         "pos_embed_rope_shift_coords": _yaml_value(config.rope_shift_coords),
         "pos_embed_rope_jitter_coords": _yaml_value(config.rope_jitter_coords),
         "pos_embed_rope_rescale_coords": rescale,
-        "pos_embed_rope_dtype": ROPE_DTYPE_NOTE,
+        "pos_embed_rope_dtype": rope_dtype_line(config),
     }
     head = "student:  # continued pretraining; the backbone args must match the checkpoint's"
     notes = [*arch_note, *ffn_note, *norm_note, *rescale_note]
@@ -408,6 +412,7 @@ class MetaTrain(Format):
     def plan_write(self, job: Job) -> WritePlan:
         """Meta's trainer's keys: `backbone.` + Meta's backbone keys, and the carried or new heads."""
         config = job.config
+        refuse_family(config, "dinov3", "Meta's DINOv3 trainer", "sapiens2, native, hf or timm")
         layer_scale, limits = _layer_scale_limits(config)
         full = (
             with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype) if layer_scale else job.tensors

@@ -11,18 +11,21 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import timm
 import torch
 
 from timm_ls.names import TIMM_SPEC
 
 from ...config import VitLsConfig
-from ...layers import effective_qkv_bias
+from ...layers import effective_qkv_bias, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
+from ..mapping.plan import Plan
 from ..write.writers import Progress, write_safetensors, write_text
 from .base import (
     CONFIG_FILE,
@@ -32,6 +35,7 @@ from .base import (
     Job,
     SourceConfig,
     WritePlan,
+    family,
     ffn_args,
     hidden_features,
     k_bias_blocks,
@@ -45,25 +49,47 @@ from .base import (
 Tensor = torch.Tensor
 SPELLING = "gamma_N"
 
-# Our shipped variant -> timm's eva DINOv3 architecture of the same shape (`_qkvb` added for q/v biases).
+
+def _dinov3(name: str, qkvb: bool = True, plain: bool = True) -> tuple[str | None, str | None]:
+    return (name if plain else None), (f"{name}_qkvb" if qkvb else None)
+
+
+# Our shipped variant -> timm's eva architectures of the same shape: (without q/v biases, with them).
 EVA_ARCHITECTURES = {
-    "vit_ls_small_patch16_dinov3": "vit_small_patch16_dinov3",
-    "vit_ls_small_plus_patch16_dinov3": "vit_small_plus_patch16_dinov3",
-    "vit_ls_base_patch16_dinov3": "vit_base_patch16_dinov3",
-    "vit_ls_large_patch16_dinov3": "vit_large_patch16_dinov3",
-    "vit_ls_huge_plus_patch16_dinov3": "vit_huge_plus_patch16_dinov3",
-    "vit_ls_7b_patch16_dinov3": "vit_7b_patch16_dinov3",
+    "vit_ls_tiny_patch16_dinov3": _dinov3("vit_tiny_patch16_dinov3", plain=False),
+    "vit_ls_small_patch16_dinov3": _dinov3("vit_small_patch16_dinov3"),
+    "vit_ls_small_plus_patch16_dinov3": _dinov3("vit_small_plus_patch16_dinov3"),
+    "vit_ls_base_patch16_dinov3": _dinov3("vit_base_patch16_dinov3"),
+    "vit_ls_large_patch16_dinov3": _dinov3("vit_large_patch16_dinov3"),
+    "vit_ls_huge_plus_patch16_dinov3": _dinov3("vit_huge_plus_patch16_dinov3"),
+    "vit_ls_7b_patch16_dinov3": _dinov3("vit_7b_patch16_dinov3", qkvb=False),
+    **{f"vit_ls_{s}_patch16_lingbot": (None, f"vit_{s}_patch16_lingbot") for s in ("small", "base", "large")},
+    "vit_ls_giant_patch16_lingbot": ("vit_giant_patch16_lingbot", None),
+    **{
+        f"vit_ls_{s}_patch16_sapiens2": (f"vit_{s}_patch16_sapiens2",) * 2
+        for s in ("base", "large", "huge", "giant", "5b")
+    },
 }
-EVA_WITHOUT_QKVB = ("vit_7b_patch16_dinov3",)
-# What eva's DINOv3 architectures fix, and the value they fix it to.
-EVA_FIXED = {"norm_eps": 1e-5, "proj_bias": True, "ffn_bias": True, "rope_normalize_coords": "separate"}
+# What eva's architectures of each layout fix, and the value they fix it to.
+EVA_FIXED = {
+    "dinov3": {"norm_eps": 1e-5, "proj_bias": True, "ffn_bias": True, "rope_normalize_coords": "separate"},
+    "sapiens2": {
+        "norm_eps": 1e-6,
+        "proj_bias": True,
+        "ffn_bias": True,
+        "rope_normalize_coords": "separate",
+        "qk_norm": True,
+        "ffn_layer": "swiglu",
+        "rope_dtype": "fp32",
+    },
+}
 EVA_POOLS = ("token", "avg", "avgmax", "max", "")
 
 
 def _qkv_bias_to_eva(bias: Tensor, mask: Tensor | None, *, qkv_bias: bool = True, **_):
     if not qkv_bias:
         return None, None
-    q, _, v = effective_qkv_bias(bias, mask).chunk(3)
+    q, _, v = split_qkv(effective_qkv_bias(bias, mask), bias.shape[0] // 3)
     return q, v
 
 
@@ -75,7 +101,19 @@ def _native_gamma(branch: int) -> str:
     return "blocks.{i}." + gamma_name(NATIVE_SPELLING, branch)
 
 
-TABLE = KeyTable(
+def _fuse(*parts: Tensor, **_) -> tuple[Tensor]:
+    return (torch.cat(parts),)
+
+
+def _split_qkv(qkv: Tensor, *, dim: int, **_) -> tuple[Tensor, ...]:
+    return split_qkv(qkv, dim)
+
+
+def _split_halves(packed: Tensor, **_) -> tuple[Tensor, ...]:
+    return packed.chunk(2)
+
+
+DINOV3_TABLE = KeyTable(
     (
         row("cls_token", "cls_token"),
         row("storage_tokens", "reg_token"),
@@ -102,6 +140,45 @@ TABLE = KeyTable(
         row("head.{p}", "head.{p}"),
     )
 )
+# eva's Sapiens2: q, k and v projections apart (k/v narrower under grouped-query attention), qk-norm, LayerScale
+# on the attention branch only, the SwiGLU's gate and up rows packed in `mlp.fc1` (gate first).
+SAPIENS2_TABLE = KeyTable(
+    (
+        row("cls_token", "cls_token"),
+        row("storage_tokens", "reg_token"),
+        row("patch_embed.proj.{p}", "patch_embed.proj.{p}"),
+        row("blocks.{i}.norm1.{p}", "blocks.{i}.norm1.{p}"),
+        row("blocks.{i}.attn.qkv.{p}", tuple(f"blocks.{{i}}.attn.{x}_proj.{{p}}" for x in "qkv"), _fuse, _split_qkv),
+        row("blocks.{i}.attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
+        row("blocks.{i}.attn.k_norm.weight", "blocks.{i}.attn.k_norm.weight"),
+        row("blocks.{i}.attn.proj.{p}", "blocks.{i}.attn.proj.{p}"),
+        row(_native_gamma(1), "blocks.{i}." + gamma_name(SPELLING, 1)),
+        row("blocks.{i}.norm2.{p}", "blocks.{i}.norm2.{p}"),
+        row(("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}"), "blocks.{i}.mlp.fc1.{p}", _split_halves, _fuse),
+        row("blocks.{i}.mlp.w3.{p}", "blocks.{i}.mlp.fc2.{p}"),
+        row(_native_gamma(2), "blocks.{i}." + gamma_name(SPELLING, 2)),
+        row("norm.{p}", "norm.{p}"),
+        row("head.{p}", "head.{p}"),
+    )
+)
+
+
+@dataclass(frozen=True)
+class EvaTables:
+    """eva's two layouts: DINOv3's (EUPE and LingBot too) and Sapiens2's, told apart by its q projection."""
+
+    dinov3: KeyTable
+    sapiens2: KeyTable
+
+    def to_native(self, source: Mapping[str, Tensor]) -> Plan:
+        sapiens2 = any(k.endswith(".attn.q_proj.weight") for k in source)
+        return (self.sapiens2 if sapiens2 else self.dinov3).to_native(source)
+
+    def from_native(self, native: Mapping[str, Tensor], *, layout: str = "dinov3", **options: Any):
+        return (self.sapiens2 if layout == "sapiens2" else self.dinov3).from_native(native, **options)
+
+
+TABLE = EvaTables(DINOV3_TABLE, SAPIENS2_TABLE)
 
 
 def _ratio_for(hidden: int, dim: int) -> float:
@@ -135,52 +212,66 @@ CONFIG_FIELDS = (
 )
 
 
+def _eva_model(name: str, what: str) -> str:
+    """`name` if this timm has it, else one line naming the timm that does."""
+    if not timm.models.is_model(name):
+        raise CheckpointError(
+            f"this timm ({timm.__version__}) has no {name} to hold {what}: upgrade timm to 1.0.31 or later, or "
+            f"convert --to native or hf instead"
+        )
+    return name
+
+
 def eva_architecture(config: VitLsConfig, variant: str, qkv_bias: bool) -> str:
-    """eva's DINOv3 architecture for a shipped `variant`, or one error line naming what eva cannot build."""
-    base = EVA_ARCHITECTURES.get(variant)
-    if base is None:
+    """eva's architecture for a shipped `variant`, or one error line naming what eva cannot build."""
+    plain, with_qv = EVA_ARCHITECTURES.get(variant, (None, None))
+    if plain is None and with_qv is None:
         raise CheckpointError(
             f"timm's eva has no DINOv3 architecture for {variant} (it has the shapes of "
             f"{', '.join(EVA_ARCHITECTURES)}); convert --to native, hf or meta instead"
         )
-    if qkv_bias and base in EVA_WITHOUT_QKVB:
+    if qkv_bias and with_qv is None:
         raise CheckpointError(
-            f"timm's eva has no {base}_qkvb to hold this checkpoint's non-zero q/v biases; convert --to native, "
+            f"timm's eva has no {plain}_qkvb to hold this checkpoint's non-zero q/v biases; convert --to native, "
             f"hf or meta instead"
         )
-    for name, fixed in EVA_FIXED.items():
+    layout = family(config)
+    for name, fixed in EVA_FIXED[layout].items():
         if getattr(config, name) != fixed:
             raise CheckpointError(
-                f"timm's eva DINOv3 architectures fix {name}={fixed!r}, this model has {name}="
+                f"timm's eva {layout} architectures fix {name}={fixed!r}, this model has {name}="
                 f"{getattr(config, name)!r}; convert --to native, hf or meta instead"
             )
     if config.global_pool not in EVA_POOLS:
         raise CheckpointError(
             f"timm's eva has no global_pool={config.global_pool!r}; pass --model-kwargs global_pool=token"
         )
-    return base + ("_qkvb" if qkv_bias else "")
+    return _eva_model(with_qv if qkv_bias or plain is None else plain, variant)
 
 
 def eva_config(config: VitLsConfig, variant: str, qkv_bias: bool, pretrained_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """timm's config.json naming eva's DINOv3 architecture for `variant`, with every model arg."""
+    """timm's config.json naming eva's architecture for `variant`, with every model arg."""
     cfg = pretrained_cfg_fields(pretrained_cfg, config.num_classes)
     cfg["fixed_input_size"] = not config.dynamic_img_size
+    args = write_fields(CONFIG_FIELDS, config)
+    if family(config) == "sapiens2":  # a packed SwiGLU (eva's GluMlp: no alignment), k/v heads per block
+        args.update(swiglu_align_to=0, num_kv_heads=config.layer_kv_heads)
     return {
         "architecture": eva_architecture(config, variant, qkv_bias),
         "num_classes": config.num_classes,
         "num_features": config.embed_dim,
         "global_pool": config.global_pool,
-        "model_args": write_fields(CONFIG_FIELDS, config),
+        "model_args": args,
         "pretrained_cfg": cfg,
     }
 
 
-def qv_bias(tensors: Mapping[str, Tensor], depth: int) -> bool:
+def qv_bias(tensors: Mapping[str, Tensor], config: VitLsConfig) -> bool:
     """Whether any effective q or v bias is non-zero (eva's `_qkvb` architectures hold them)."""
-    for i in range(depth):
+    for i in range(config.depth):
         key = f"blocks.{i}.attn.qkv.bias"
         if key in tensors:
-            q, _, v = effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")).chunk(3)
+            q, _, v = split_qkv(effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")), config.embed_dim)
             if q.any() or v.any():
                 return True
     return False
@@ -191,15 +282,15 @@ class TimmEva(Format):
     title = "timm eva keys"
     table = TABLE
     # eva's plain architectures have no qkv bias (Meta's all-zero ones are left out), and eva no local-crop norm.
-    unheld_args = frozenset({"qkv_bias", "local_cls_norm"})
+    unheld_args = frozenset({"qkv_bias", "local_cls_norm", "mask_token"})
 
     def recognise(self, keys: Sequence[str]) -> bool:
         eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")
         return "reg_token" in keys or any(k.endswith(eva_keys) for k in keys)
 
     def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
-        ours = {eva: variant for variant, eva in EVA_ARCHITECTURES.items()}
-        variant = ours.get(str(cfg.get("architecture")).removesuffix("_qkvb"))
+        ours = {eva: variant for variant, archs in EVA_ARCHITECTURES.items() for eva in archs if eva}
+        variant = ours.get(str(cfg.get("architecture")))
         if variant is None:
             return None
         args = cfg.get("model_args")
@@ -211,11 +302,13 @@ class TimmEva(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         config = job.config
-        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
-        with_qv = qv_bias(full, config.depth)
-        out, unheld = self.table.from_native(full, qkv_bias=with_qv)
+        layout = family(config)
+        branches = (1,) if layout == "sapiens2" else (1, 2)  # eva's Sapiens2: LayerScale on attention only
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
+        with_qv = qv_bias(full, config)
+        out, unheld = self.table.from_native(full, layout=layout, qkv_bias=with_qv, dim=config.embed_dim)
         not_held, warnings = not_held_report(unheld, self.name)
-        k_blocks = k_bias_blocks(full, config.depth)
+        k_blocks = k_bias_blocks(full, config) if layout == "dinov3" else []
         if k_blocks:
             blocks = ", ".join(map(str, k_blocks))
             not_held.append(f"non-zero k biases (blocks {blocks})")
