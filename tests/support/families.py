@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import timm
 import torch
+from packaging.version import Version
 
 from . import move_off_init_
+
+# timm's eva has the LingBot, EUPE and Sapiens2 architectures and num_kv_heads from 1.0.31 (CI's lowest, 1.0.26,
+# has none): older timms skip the comparisons with eva
+EVA_FAMILIES_TIMM = "1.0.31"
+EVA_HAS_FAMILIES = Version(timm.__version__) >= Version(EVA_FAMILIES_TIMM) and timm.models.is_model(
+    "vit_base_patch16_sapiens2"
+)
 
 SAPIENS2_TINY_DEPTH = 18  # the first and last 8 blocks keep every head, blocks 8 and 9 are grouped
 SAPIENS2_KV = [4] * 8 + [2] * 2 + [4] * 8

@@ -238,9 +238,12 @@ def eva_architecture(config: VitLsConfig, variant: str, qkv_bias: bool) -> str:
     layout = family(config)
     for name, fixed in EVA_FIXED[layout].items():
         if getattr(config, name) != fixed:
+            # RoPE precision is computation, not weights: the same file holds either
+            way = "pass --model-kwargs rope_dtype=fp32, or " if name == "rope_dtype" else ""
+            own = "sapiens2" if layout == "sapiens2" else "meta"
             raise CheckpointError(
                 f"timm's eva {layout} architectures fix {name}={fixed!r}, this model has {name}="
-                f"{getattr(config, name)!r}; convert --to native, hf or meta instead"
+                f"{getattr(config, name)!r}: {way}convert --to native, hf or {own} instead"
             )
     if config.global_pool not in EVA_POOLS:
         raise CheckpointError(
