@@ -242,11 +242,17 @@ def test_list_shows_every_variant_with_size_and_tags_in_short_lines(runs: dict[s
     assert run.returncode == 0, run.stderr
     *table, hint = run.stdout.splitlines()
     lines = {line.split()[0]: line for line in table[1:]}
-    assert sorted(lines) == SHIPPED and len(lines) == 7
+    assert sorted(lines) == SHIPPED
     assert "21.6M" in lines["vit_ls_small_patch16_dinov3"] and "6,716.0M" in lines["vit_ls_7b_patch16_dinov3"]
-    assert lines["vit_ls_small_patch16_dinov3"].endswith("  lvd1689m, lvd1689m_facebook")
-    assert lines["vit_ls_large_plus_patch16_dinov3"].rstrip().endswith(" -")
-    assert all(len(line) <= 100 and "/" not in line for line in table), table  # no Hub repos, no paths
+    assert "  lvd1689m, lvd1689m_facebook, eupe_lvd1689m  " in lines["vit_ls_small_patch16_dinov3"]
+    # each tag's licence: the first tag's, then each tag with another
+    assert lines["vit_ls_small_patch16_dinov3"].endswith(
+        "  dinov3-license; eupe_lvd1689m: fair-noncommercial-research-license"
+    )
+    assert lines["vit_ls_base_patch16_lingbot"].endswith("  apache-2.0")
+    assert lines["vit_ls_base_patch16_sapiens2"].endswith("  sapiens2-license")
+    assert lines["vit_ls_large_plus_patch16_dinov3"].split()[-2:] == ["-", "-"]
+    assert all("/" not in line for line in table), table  # no Hub repos, no paths
     assert hint == "Hub repos and YAML files: timm-ls list --json"
 
 
@@ -259,6 +265,11 @@ def test_list_json_has_each_tags_hub_repo_and_yaml_file(runs: dict[str, Run], fi
     assert round(small["params"] / 1e5) == 216  # 21.6M
     assert small["tags"]["lvd1689m"] == "timm/vit_small_patch16_dinov3_qkvb.lvd1689m"
     assert found["vit_ls_large_patch16_dinov3"]["tags"]["sat493m"] == "timm/vit_large_patch16_dinov3_qkvb.sat493m"
+    assert small["licenses"] == {
+        "lvd1689m": "dinov3-license",
+        "lvd1689m_facebook": "dinov3-license",
+        "eupe_lvd1689m": "fair-noncommercial-research-license",
+    }
     for name, variant in found.items():
         assert Path(variant["config"]).name == f"{name}.yaml" and Path(variant["config"]).is_file()
         assert variant["shipped"] is True

@@ -13,8 +13,8 @@ import pytest
 import timm
 import torch
 from PIL import Image
-from safetensors.torch import save_file
-from support import TINY, move_off_init_
+from safetensors.torch import load_file, save_file
+from support import FIXTURES, TINY, move_off_init_
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale.tools.gammas import BlockGammas, BranchStats, gamma_stats
@@ -441,3 +441,17 @@ def test_a_model_without_layer_scale_blocks_says_so(capsys):
     assert "resnet10t has no LayerScale blocks: it has no transformer blocks with attention" in err
     code, _, err = inspect(capsys, NAME, "--model-kwargs", "depth=2", "init_values=off")  # a ViT, LayerScale off
     assert code == 2 and "LayerScale is off there or was folded into the projections" in err
+
+
+def test_a_sapiens2_checkpoint_shows_its_attention_gammas_and_no_mlp_layer_scale(capsys):
+    """Upstream Sapiens2's own keys (`blocks.N.attn.gamma.weight`, no FFN gamma), from tests/fixtures."""
+    path = FIXTURES / "sapiens2_fixture.safetensors"
+    state = load_file(path)
+    result = inspect_json(capsys, path)
+    assert result["spellings"] == ["attn.gamma.weight"] and len(result["blocks"]) == 18
+    for i, block in enumerate(result["blocks"]):
+        assert_stats(block["attn"], expected_stats(state[f"blocks.{i}.attn.gamma.weight"]))
+        assert block["mlp"] is None
+    code, out, _ = inspect(capsys, path)
+    assert code == 0 and "LayerScale: attn.gamma.weight in 18 blocks" in out
+    assert out.splitlines()[-1] == "mlp: no LayerScale in any block"

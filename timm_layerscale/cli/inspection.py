@@ -170,6 +170,7 @@ def _summary(blocks: list[BlockGammas]) -> list[str]:
     for branch in BRANCHES:
         stats = [(b.label, b.branch(branch)) for b in blocks if b.branch(branch) is not None]
         if not stats:
+            lines.append(f"{branch}: no LayerScale in any block")
             continue
         low, high = min(stats, key=lambda t: t[1].mean), max(stats, key=lambda t: t[1].mean)
         muted = sum(s.muted * s.channels for _, s in stats) / sum(s.channels for _, s in stats)

@@ -1,4 +1,5 @@
-"""`timm-ls list`: the registered variants with their size and pretrained tags; `--json` adds Hub repos and files."""
+"""`timm-ls list`: the registered variants with their size, pretrained tags and their licences; `--json` adds Hub
+repos and files."""
 
 from __future__ import annotations
 
@@ -16,17 +17,38 @@ def _shipped(source: str) -> bool:
     return Path(source).resolve().parent == config_dir().resolve()
 
 
+def _licences(licenses: dict[str, str | None]) -> str:
+    """The first tag's licence, then each tag with another: `dinov3-license; eupe_lvd1689m: fair-...`."""
+    named = {tag: license or "unknown" for tag, license in licenses.items()}
+    if not named:
+        return "-"
+    first = next(iter(named.values()))
+    return "; ".join([first, *(f"{tag}: {license}" for tag, license in named.items() if license != first)])
+
+
 def execute(args: argparse.Namespace) -> int:
     found = []
     for name, variant in sorted(VARIANTS.items()):
         params = sum(p.numel() for p in timm.create_model(name, device="meta").parameters())
         tags = {tag: cfg.get("hf_hub_id") for tag, cfg in variant.tags.items()}
-        found.append(dict(name=name, params=params, tags=tags, config=variant.source, shipped=_shipped(variant.source)))
+        licenses = {tag: timm.models.get_pretrained_cfg(f"{name}.{tag}").license for tag in tags}
+        found.append(
+            dict(
+                name=name,
+                params=params,
+                tags=tags,
+                licenses=licenses,
+                config=variant.source,
+                shipped=_shipped(variant.source),
+            )
+        )
     if args.json:
         print(json.dumps(found, indent=1))
         return 0
-    header = ["variant", "params", "pretrained tags"]
-    rows = [[v["name"], f"{v['params'] / 1e6:,.1f}M", ", ".join(v["tags"]) or "-"] for v in found]
+    header = ["variant", "params", "pretrained tags", "licence"]
+    rows = [
+        [v["name"], f"{v['params'] / 1e6:,.1f}M", ", ".join(v["tags"]) or "-", _licences(v["licenses"])] for v in found
+    ]
     if not all(v["shipped"] for v in found):  # a variant registered from the user's own YAML says which file
         header.append("config")
         rows = [[*row, "" if v["shipped"] else v["config"]] for row, v in zip(rows, found)]

@@ -71,7 +71,7 @@ def find_gamma_keys(keys: list[str]) -> tuple[dict[tuple[str, int], dict[str, st
         blocks.setdefault(stack, set()).add(index)
         for spelling, pattern in SPELLING_PATTERNS.items():
             if branch := pattern.fullmatch(match["rest"]):
-                found.setdefault((stack, index), {})[BRANCHES[int(branch[1]) - 1]] = key
+                found.setdefault((stack, index), {})[BRANCHES[int(branch[1] or 1) - 1]] = key
                 if spelling not in spellings:
                     spellings.append(spelling)
     stacks = list(dict.fromkeys(stack for stack, _ in found))

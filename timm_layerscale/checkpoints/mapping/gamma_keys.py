@@ -28,8 +28,14 @@ def _branch_pattern(spelling: str) -> str:
     return re.escape(spelling).replace("N", "([12])")
 
 
-# A spelling's pattern matches a key's rest after `<stack>.<block>.`; its one group is the branch.
-SPELLING_PATTERNS = {spelling: re.compile(_branch_pattern(spelling)) for spelling in GAMMA_SPELLINGS}
+# Sapiens2's own keys: LayerScale inside the attention module (`attn.gamma.weight`), and `ffn.gamma2.weight` where
+# its FFN has one (its released backbones have none). Read, never written by rename_layer_scale.
+SAPIENS2_SPELLING = "attn.gamma.weight"
+# A spelling's pattern matches a key's rest after `<stack>.<block>.`; its one group is the branch (unset: 1).
+SPELLING_PATTERNS = {
+    **{spelling: re.compile(_branch_pattern(spelling)) for spelling in GAMMA_SPELLINGS},
+    SAPIENS2_SPELLING: re.compile(r"(?:attn\.gamma|ffn\.gamma(2))\.weight"),
+}
 # Any spelling at the end of a key (one group per spelling, in table order, holds the branch).
 ANY_GAMMA_KEY = re.compile(r"(^|\.)(?:" + "|".join(map(_branch_pattern, GAMMA_SPELLINGS)) + r")$")
 # A native gamma key: groups (block, branch).
