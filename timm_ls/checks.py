@@ -135,7 +135,7 @@ def check_demo(args: argparse.Namespace) -> None:
         _plot(args)
     out = demo_out(args.out)
     if args.out is not None or out.parent.is_dir():  # the default's parents (the user's cache) are made on use
-        _destination(str(out), folder=True, what="demo --out", overwrite=True)
+        _destination(str(out), folder=True, what="demo --out", overwrite=True, into=True)
 
 
 def check_ablate(args: argparse.Namespace) -> None:
