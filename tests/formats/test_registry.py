@@ -14,8 +14,7 @@ from support import TINY, VARIANT, assert_fp32_close, move_off_init_
 
 from timm_layerscale import FORMATS, CheckpointError, Format, convert_checkpoint, register_format
 from timm_layerscale.checkpoints.formats import recognise
-from timm_layerscale.checkpoints.formats.base import Job, WritePlan, not_held_report
-from timm_layerscale.checkpoints.formats.meta import NATIVE_KEYS
+from timm_layerscale.checkpoints.formats.base import NATIVE_KEYS, Job, WritePlan, not_held_report
 from timm_layerscale.checkpoints.mapping.keys import KeyTable, row
 from timm_layerscale.checkpoints.write.writers import write_safetensors
 from timm_ls.names import FILE, FormatSpec
@@ -89,7 +88,7 @@ def test_a_registered_format_converts_both_ways(flat, tmp_path):
 def test_an_unregistered_format_is_named_as_unknown(tmp_path):
     path, _ = source(tmp_path)
     with pytest.raises(
-        CheckpointError, match=r"unknown target 'flat'; pass --to one of native, meta, meta-train, hf, timm$"
+        CheckpointError, match=r"unknown target 'flat'; pass --to one of native, meta, meta-train, hf, timm, sapiens2$"
     ):
         convert_checkpoint(path, tmp_path / "model.flat", to="flat")
 

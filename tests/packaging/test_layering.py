@@ -188,6 +188,27 @@ def test_reading_and_writing_checkpoints_never_import_each_other():
     assert crossings(made_up) == [f"{ROOT}.checkpoints.read.reader:3 imports {ROOT}.checkpoints.write.writers"]
 
 
+FORMATS_PACKAGE = f"{ROOT}.checkpoints.formats"
+SHARED_BY_FORMATS = (f"{FORMATS_PACKAGE}.base", f"{FORMATS_PACKAGE}.foreign")
+
+
+def format_crossings(edges: dict[str, list[tuple[str, int, bool]]]) -> list[str]:
+    """A format module importing another format's: what they share lives in base (foreign names families)."""
+    return [
+        f"{name}:{line} imports {target}"
+        for name, found in edges.items()
+        if name.startswith(FORMATS_PACKAGE + ".") and name not in SHARED_BY_FORMATS
+        for target, line, _ in found
+        if target.startswith(FORMATS_PACKAGE + ".") and target not in SHARED_BY_FORMATS
+    ]
+
+
+def test_no_format_imports_another():
+    assert format_crossings(graph()) == []
+    made_up = {f"{FORMATS_PACKAGE}.timm": [(f"{FORMATS_PACKAGE}.hf", 7, False)]}
+    assert format_crossings(made_up) == [f"{FORMATS_PACKAGE}.timm:7 imports {FORMATS_PACKAGE}.hf"]
+
+
 # The one import of a package module inside a function: the entry point loads a command's module when it runs it.
 DISPATCH = "timm_ls.main"
 

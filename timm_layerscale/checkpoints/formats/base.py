@@ -8,6 +8,7 @@ the format answers with an `WritePlan`: its tensors, how to write them, and what
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,8 +22,8 @@ from timm_ls.names import FormatSpec
 from ...config import VitLsConfig
 from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
-from ..mapping.gamma_keys import native_gamma_key
-from ..mapping.keys import KeyTable
+from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name, native_gamma_key
+from ..mapping.keys import KeyTable, row
 from ..mapping.plan import PERIODS, Plan, Step, passthrough
 from ..read.reader import LazyCheckpoint
 from ..write.writers import Progress
@@ -206,6 +207,58 @@ def k_bias_blocks(tensors: Mapping[str, Tensor], config: VitLsConfig) -> list[in
             if split_qkv(bias, config.embed_dim)[1].any():
                 found.append(i)
     return found
+
+
+# ---------------------------------------------------------------------------------- rows formats share
+
+# Every key of the native layout, by pattern. Meta's files use exactly these keys (Meta has no `head`).
+NATIVE_KEYS = (
+    "cls_token",
+    "storage_tokens",
+    "mask_token",
+    "patch_embed.proj.{p}",
+    "rope_embed.periods",
+    "blocks.{i}.norm1.{p}",
+    "blocks.{i}.attn.qkv.weight",
+    "blocks.{i}.attn.qkv.bias",
+    "blocks.{i}.attn.qkv.bias_mask",
+    "blocks.{i}.attn.q_norm.weight",
+    "blocks.{i}.attn.k_norm.weight",
+    "blocks.{i}.attn.proj.{p}",
+    "blocks.{i}." + gamma_name(NATIVE_SPELLING, 1),
+    "blocks.{i}.norm2.{p}",
+    "blocks.{i}.mlp.fc1.{p}",
+    "blocks.{i}.mlp.fc2.{p}",
+    "blocks.{i}.mlp.w1.{p}",
+    "blocks.{i}.mlp.w2.{p}",
+    "blocks.{i}.mlp.w3.{p}",
+    "blocks.{i}." + gamma_name(NATIVE_SPELLING, 2),
+    "norm.{p}",
+    "cls_norm.{p}",
+    "local_cls_norm.{p}",
+    "head.{p}",
+)
+_NATIVE_QKV = re.compile(r"^blocks\.\d+\.attn\.qkv\.weight$")
+
+
+def native_keys(keys: Sequence[str]) -> bool:
+    """Keys in the native layout: Meta's, or this package's (which adds a classifier head)."""
+    return "storage_tokens" in keys or any(NATIVE_GAMMA_KEY.match(k) or _NATIVE_QKV.match(k) for k in keys)
+
+
+# Meta's released keys are the native ones, without a classifier: Meta's files and its trainer's backbone.
+META_TITLE = "Meta DINOv3 keys"
+META_TABLE = KeyTable(tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")))
+
+
+def fuse(*parts: Tensor, **_) -> tuple[Tensor]:
+    """Separate projections (q, k, v; gate, up) as one fused tensor, in order."""
+    return (torch.cat(parts),)
+
+
+def split3(qkv: Tensor, *, dim: int, **_) -> tuple[Tensor, ...]:
+    """A fused qkv as q, k and v, GQA's narrower k and v included."""
+    return split_qkv(qkv, dim)
 
 
 # --------------------------------------------------------------------------------------- what is not held

@@ -32,24 +32,18 @@ from .base import (
     WritePlan,
     family,
     ffn_args,
+    fuse,
     hidden_features,
     k_bias_blocks,
     not_held_report,
     read_fields,
+    split3,
     with_all_gammas,
     write_fields,
 )
 
 Tensor = torch.Tensor
 SPELLING = "layer_scaleN.lambda1"
-
-
-def _fuse(*parts: Tensor, **_) -> tuple[Tensor]:
-    return (torch.cat(parts),)
-
-
-def _split3(qkv: Tensor, *, dim: int, **_) -> tuple[Tensor, ...]:
-    return split_qkv(qkv, dim)
 
 
 def _qkv_bias_from_parts(q: Tensor, k: Tensor | None, v: Tensor, **_) -> tuple[Tensor, Tensor | None]:
@@ -88,8 +82,8 @@ TABLE = KeyTable(
         row(
             "blocks.{i}.attn.qkv.weight",
             tuple(f"layer.{{i}}.attention.{part}_proj.weight" for part in "qkv"),
-            _fuse,
-            _split3,
+            fuse,
+            split3,
         ),
         row(
             ("blocks.{i}.attn.qkv.bias", "blocks.{i}.attn.qkv.bias_mask?"),

@@ -7,55 +7,28 @@ builds the model, so there is no config. Its blocks always have LayerScale.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from timm_ls.names import META_SPEC
 
-from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name
-from ..mapping.keys import KeyTable, row
 from ..write.writers import write_safetensors, write_torch_file
-from .base import Format, Job, WritePlan, not_held_report, refuse_family, with_all_gammas
-
-# Every key of the native layout, by pattern. Meta's files use exactly these keys (Meta has no `head`).
-NATIVE_KEYS = (
-    "cls_token",
-    "storage_tokens",
-    "mask_token",
-    "patch_embed.proj.{p}",
-    "rope_embed.periods",
-    "blocks.{i}.norm1.{p}",
-    "blocks.{i}.attn.qkv.weight",
-    "blocks.{i}.attn.qkv.bias",
-    "blocks.{i}.attn.qkv.bias_mask",
-    "blocks.{i}.attn.q_norm.weight",
-    "blocks.{i}.attn.k_norm.weight",
-    "blocks.{i}.attn.proj.{p}",
-    "blocks.{i}." + gamma_name(NATIVE_SPELLING, 1),
-    "blocks.{i}.norm2.{p}",
-    "blocks.{i}.mlp.fc1.{p}",
-    "blocks.{i}.mlp.fc2.{p}",
-    "blocks.{i}.mlp.w1.{p}",
-    "blocks.{i}.mlp.w2.{p}",
-    "blocks.{i}.mlp.w3.{p}",
-    "blocks.{i}." + gamma_name(NATIVE_SPELLING, 2),
-    "norm.{p}",
-    "cls_norm.{p}",
-    "local_cls_norm.{p}",
-    "head.{p}",
+from .base import (
+    META_TABLE,
+    META_TITLE,
+    Format,
+    Job,
+    WritePlan,
+    native_keys,
+    not_held_report,
+    refuse_family,
+    with_all_gammas,
 )
-_NATIVE_QKV = re.compile(r"^blocks\.\d+\.attn\.qkv\.weight$")
-
-
-def native_keys(keys: Sequence[str]) -> bool:
-    """Keys in the native layout: Meta's, or this package's (which adds a classifier head)."""
-    return "storage_tokens" in keys or any(NATIVE_GAMMA_KEY.match(k) or _NATIVE_QKV.match(k) for k in keys)
 
 
 class Meta(Format):
     spec = META_SPEC
-    title = "Meta DINOv3 keys"
-    table = KeyTable(tuple(row(key, key) for key in NATIVE_KEYS if not key.startswith("head.")))
+    title = META_TITLE
+    table = META_TABLE
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return native_keys(keys)

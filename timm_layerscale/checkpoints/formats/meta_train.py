@@ -36,8 +36,18 @@ from ..mapping.plan import Plan, TensorInfo, cast_plan, info_of, passthrough
 from ..read.reader import ONLY_SET, LazyCheckpoint
 from ..write.dcp import write_dcp
 from ..write.writers import Progress, write_torch_file
-from .base import OUTPUT_CHANGING, PERIODS, Format, Job, WritePlan, not_held_report, refuse_family, with_all_gammas
-from .meta import META
+from .base import (
+    META_TABLE,
+    META_TITLE,
+    OUTPUT_CHANGING,
+    PERIODS,
+    Format,
+    Job,
+    WritePlan,
+    not_held_report,
+    refuse_family,
+    with_all_gammas,
+)
 
 Tensor = torch.Tensor
 HEAD_NAMES = ("dino_head", "ibot_head")
@@ -397,8 +407,8 @@ def _heads(job: Job) -> tuple[MetaHeads, Mapping[str, Tensor], list[str], list[s
 
 class MetaTrain(Format):
     spec = META_TRAIN_SPEC
-    title = META.title
-    table = META.table
+    title = META_TITLE
+    table = META_TABLE
     reads_heads = True
     default_dtype = "fp32"  # Meta's trainer keeps fp32 master weights
     takes = META_TRAIN_SPEC.option_defaults

@@ -17,8 +17,17 @@ from timm_ls.names import NATIVE_SPEC
 from ...config import VitLsConfig
 from ..mapping.keys import KeyTable, row
 from ..write.writers import Progress, atomic_destination, write_safetensors, write_text
-from .base import CONFIG_FILE, WEIGHTS_FILE, Format, Job, SourceConfig, WritePlan, pretrained_cfg_fields
-from .meta import NATIVE_KEYS, native_keys
+from .base import (
+    CONFIG_FILE,
+    NATIVE_KEYS,
+    WEIGHTS_FILE,
+    Format,
+    Job,
+    SourceConfig,
+    WritePlan,
+    native_keys,
+    pretrained_cfg_fields,
+)
 
 Tensor = torch.Tensor
 

@@ -21,8 +21,7 @@ from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
 from ..mapping.plan import Plan
 from ..write.writers import write_safetensors, write_torch_file
-from .base import Format, Job, WritePlan, not_held_report, refuse_family, with_all_gammas
-from .hf import _fuse, _split3
+from .base import Format, Job, WritePlan, fuse, not_held_report, refuse_family, split3, with_all_gammas
 
 Tensor = torch.Tensor
 GAMMA = "attn.gamma.weight"
@@ -57,13 +56,13 @@ TABLE = Sapiens2Table(
         row("patch_embed.proj.{p}", "patch_embed.projection.{p}"),
         row("rope_embed.periods", "rope_embed.periods"),
         row("blocks.{i}.norm1.weight", "blocks.{i}.ln1.weight"),
-        row("blocks.{i}.attn.qkv.{p}", tuple(f"blocks.{{i}}.attn.w{x}.{{p}}" for x in "qkv"), _fuse, _split3),
+        row("blocks.{i}.attn.qkv.{p}", tuple(f"blocks.{{i}}.attn.w{x}.{{p}}" for x in "qkv"), fuse, split3),
         row("blocks.{i}.attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
         row("blocks.{i}.attn.k_norm.weight", "blocks.{i}.attn.k_norm.weight"),
         row("blocks.{i}.attn.proj.{p}", "blocks.{i}.attn.proj.{p}"),
         row("blocks.{i}." + gamma_name(NATIVE_SPELLING, 1), "blocks.{i}." + GAMMA),
         row("blocks.{i}.norm2.weight", "blocks.{i}.ln2.weight"),
-        row(("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}"), "blocks.{i}.ffn.w12.{p}", _split_halves, _fuse),
+        row(("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}"), "blocks.{i}.ffn.w12.{p}", _split_halves, fuse),
         row("blocks.{i}.mlp.w3.{p}", "blocks.{i}.ffn.w3.{p}"),
         row("norm.weight", "ln1.weight"),
     )

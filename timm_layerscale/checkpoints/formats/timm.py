@@ -37,6 +37,7 @@ from .base import (
     WritePlan,
     family,
     ffn_args,
+    fuse,
     hidden_features,
     k_bias_blocks,
     not_held_report,
@@ -101,10 +102,6 @@ def _native_gamma(branch: int) -> str:
     return "blocks.{i}." + gamma_name(NATIVE_SPELLING, branch)
 
 
-def _fuse(*parts: Tensor, **_) -> tuple[Tensor]:
-    return (torch.cat(parts),)
-
-
 def _split_qkv(qkv: Tensor, *, dim: int, **_) -> tuple[Tensor, ...]:
     return split_qkv(qkv, dim)
 
@@ -148,13 +145,13 @@ SAPIENS2_TABLE = KeyTable(
         row("storage_tokens", "reg_token"),
         row("patch_embed.proj.{p}", "patch_embed.proj.{p}"),
         row("blocks.{i}.norm1.{p}", "blocks.{i}.norm1.{p}"),
-        row("blocks.{i}.attn.qkv.{p}", tuple(f"blocks.{{i}}.attn.{x}_proj.{{p}}" for x in "qkv"), _fuse, _split_qkv),
+        row("blocks.{i}.attn.qkv.{p}", tuple(f"blocks.{{i}}.attn.{x}_proj.{{p}}" for x in "qkv"), fuse, _split_qkv),
         row("blocks.{i}.attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
         row("blocks.{i}.attn.k_norm.weight", "blocks.{i}.attn.k_norm.weight"),
         row("blocks.{i}.attn.proj.{p}", "blocks.{i}.attn.proj.{p}"),
         row(_native_gamma(1), "blocks.{i}." + gamma_name(SPELLING, 1)),
         row("blocks.{i}.norm2.{p}", "blocks.{i}.norm2.{p}"),
-        row(("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}"), "blocks.{i}.mlp.fc1.{p}", _split_halves, _fuse),
+        row(("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}"), "blocks.{i}.mlp.fc1.{p}", _split_halves, fuse),
         row("blocks.{i}.mlp.w3.{p}", "blocks.{i}.mlp.fc2.{p}"),
         row(_native_gamma(2), "blocks.{i}." + gamma_name(SPELLING, 2)),
         row("norm.{p}", "norm.{p}"),
