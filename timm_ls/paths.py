@@ -1,9 +1,23 @@
-"""Where the package's shipped files are, found without importing it (its import loads torch and timm)."""
+"""Where the package's shipped files are, found without importing it (its import loads torch and timm), and
+the image files a command is given."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+def image_files(sources: list[str]) -> list[Path]:
+    """The images named: each file as given, each folder's image files (by suffix) in name order."""
+    found = []
+    for source in map(Path, sources):
+        if source.is_dir():
+            found += sorted(p for p in source.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        else:
+            found.append(source)
+    return found
 
 
 def package_dir() -> Path:
