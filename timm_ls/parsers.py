@@ -241,8 +241,9 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--outputs",
         default="pooled",
-        metavar="pooled|tokens|features:I,J,...",
+        metavar="pooled|tokens|features:I,J,...|features:NAME",
         help="pooled: what forward returns; tokens: the last block's normed tokens; features: those blocks' "
+        "(or a name's: last, last_four, four_even, Meta's four_last, four_even_intervals) "
         "patch tokens as [N, C, H/16, W/16]",
     )
     parser.add_argument("--fuse-layerscale", action="store_true", help="fold every gamma into the layer before it")
