@@ -76,6 +76,9 @@ def test_features_only_lists_the_named_blocks(model, images):
     assert default.feature_info.out_indices == named.feature_info.out_indices == (8, 9, 10, 11)
     shallow = timm.create_model(NAME, features_only=True, out_indices="four_even", **TINY)
     assert shallow.feature_info.out_indices == (0, 1)
+    # timm's hook wrapper reads out_indices as numbers: only the entry point's resolution makes a name work there
+    hooks = timm.create_model(NAME, features_only=True, feature_cls="hook", out_indices="four_even", **TINY)
+    assert hooks.feature_info.out_indices == (0, 1) and len(hooks(images)) == 2
 
 
 def test_export_takes_names_beside_indices_and_refuses_an_unknown_one():
