@@ -20,6 +20,7 @@ from timm_ls.main import main
 
 OURS = "vit_ls_small_patch16_dinov3"
 DINOV2 = "vit_small_patch14_dinov2"
+DEIT3, EVA = "deit3_small_patch16_224", "vit_small_patch16_dinov3"  # timm's DeiT-III and eva's DINOv3
 
 
 def draw_image(path, size, seed):
@@ -41,7 +42,7 @@ def weights(tmp_path_factory):
     """Two-block models moved off their inits, saved as files `--checkpoint` takes."""
     folder = tmp_path_factory.mktemp("weights")
     found = {}
-    for name in (OURS, DINOV2):
+    for name in (OURS, DINOV2, DEIT3, EVA):
         torch.manual_seed(0)
         model = move_off_init_(timm.create_model(name, depth=2, dynamic_img_size=True)).eval()
         save_file(model.state_dict(), folder / f"{name}.safetensors")
@@ -75,7 +76,7 @@ def right_half_at_patch_centres(png, patch):
     return right[patch // 2 :: patch, patch // 2 :: patch].reshape(-1, 3).astype(np.float64)
 
 
-@pytest.mark.parametrize(("name", "patch"), [(OURS, 16), (DINOV2, 14)])
+@pytest.mark.parametrize(("name", "patch"), [(OURS, 16), (DINOV2, 14), (DEIT3, 16), (EVA, 16)])
 def test_the_picture_is_the_svd_of_the_tokens_fitted_on_both_images(name, patch, weights, tmp_path):
     model, file = weights[name]
     images = [

@@ -228,7 +228,7 @@ def write_results(out: Path, loaded: Loaded, pictures, features, rgb, layer, arg
         h, w = (s // loaded.patch for s in picture.pixel_size)
         png = out / f"{picture.path.stem}_pca.png"
         write_png(png, side_by_side(picture.image, colours, (h, w)))
-        line = f"{picture.path.name}: {picture.pixel_size[1]}x{picture.pixel_size[0]} px, {h}x{w} patches -> {png}"
+        line = f"{picture.path.name}: {picture.pixel_size[1]}x{picture.pixel_size[0]} px, {w}x{h} patches -> {png}"
         if args.save:
             tensors = {"features": torch.from_numpy(f.reshape(h, w, -1))}
             saved = out / f"{picture.path.stem}_features.safetensors"
@@ -243,12 +243,13 @@ def execute(args: argparse.Namespace) -> int:
     size = None if args.size == "native" else int(args.size)
     paths = image_files(args.images)
     raw = read_all(paths)
+    torch.manual_seed(0)  # a random-init model gives the same picture on every run
     loaded = load_model(args)
     layer = block_index(args.layer, len(loaded.model.blocks))
     data_cfg = resolve_data_config({}, model=loaded.model)
     pictures = [prepare(path, picture, size, loaded.patch, data_cfg) for path, picture in zip(paths, raw)]
     del raw
-    print(f"model: {loaded.name} ({loaded.source})")
+    print(f"model: {loaded.name}; weights: {loaded.source}")
     print(plan(loaded, pictures, args, device))
     loaded.model.to(device, DTYPES[args.dtype])
     features = run_forwards(loaded, pictures, layer, args, device)
@@ -263,7 +264,7 @@ def execute(args: argparse.Namespace) -> int:
     print(
         f"features: block {layer} of {len(loaded.model.blocks)} (0-based), normed patch tokens (the "
         f"{loaded.prefix} prefix tokens left out); PCA "
-        + ("per image" if args.per_image else f"fitted on all {count(len(pictures), 'image')} together")
+        + ("per image" if args.per_image or len(pictures) == 1 else f"fitted on all {len(pictures)} images together")
     )
     print("\n".join(write_results(Path(args.out), loaded, pictures, features, rgb, layer, args)))
     return 0

@@ -34,8 +34,8 @@ FOREGROUND_THRESHOLD = 0.0  # on the first whitened component: above it (sign fi
 # Fitted by benchmarks/dense_memory.py to the peak RssAnon of ours' forward_features (fp32, CPU, ViT-S/16 and
 # ViT-B/16 at sides 512 to 2048; BENCHMARKS.md section 12): peak = FORWARD_FIXED_BYTES + this * tokens *
 # embed_dim * batch, for 4-byte activations; half precision halves the per-token term.
-FORWARD_BYTES_PER_ELEMENT = 40.0
-FORWARD_FIXED_BYTES = 64 * 2**20
+FORWARD_BYTES_PER_ELEMENT = 78.3
+FORWARD_FIXED_BYTES = 48 * 2**20
 MEMINFO = Path("/proc/meminfo")
 
 
