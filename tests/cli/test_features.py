@@ -251,6 +251,8 @@ def test_bad_input_before_torch_is_one_line_and_writes_nothing(case, line, tmp_p
         ),
         ("layer out of range", "--layer 5: the model has 2 blocks; pass 0 to 1, -1 or last"),
         ("not a vit", "resnet18 has no forward_intermediates and blocks"),
+        ("bad device", "--device: got 'gpu0'; pass cpu, cuda, cuda:N or mps"),
+        ("absent device", "--device cuda:7: this machine has no such device; pass --device cpu"),
     ],
 )
 def test_bad_input_after_torch_is_one_line_and_writes_nothing(case, line, tmp_path, capsys):
@@ -267,6 +269,8 @@ def test_bad_input_after_torch_is_one_line_and_writes_nothing(case, line, tmp_pa
         extra += ["--layer", "5"]
     elif case == "not a vit":
         model = "resnet18"
+    elif case in ("bad device", "absent device"):
+        extra += ["--device", "gpu0" if case == "bad device" else "cuda:7"]
     kwargs = [] if model == "resnet18" else ["--model-kwargs", "depth=2"]
     args = ["features", str(image), "--model", model, *kwargs, "--out", str(tmp_path / "out"), *extra]
     assert main(args) == 2

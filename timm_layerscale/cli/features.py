@@ -238,8 +238,20 @@ def write_results(out: Path, loaded: Loaded, pictures, features, rgb, layer, arg
     return lines
 
 
+def find_device(name: str) -> torch.device:
+    """`--device`, checked before any work: a name torch knows, on a machine that has it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise CliError(f"--device: got {name!r}; pass cpu, cuda, cuda:N or mps") from None
+    present = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(device.type, lambda: True)
+    if not present() or (device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count()):
+        raise CliError(f"--device {name}: this machine has no such device; pass --device cpu")
+    return device
+
+
 def execute(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    device = find_device(args.device)
     size = None if args.size == "native" else int(args.size)
     paths = image_files(args.images)
     raw = read_all(paths)
