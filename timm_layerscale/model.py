@@ -22,7 +22,7 @@ except ImportError:
     update_model_input_size = None
 
 from .checkpoints.load_hook import install_load_hook
-from .config import TRAINING_SWITCHES, VitLsConfig
+from .config import TRAINING_SWITCHES, VitLsConfig, feature_layers
 from .layers import (
     NORMS,
     Block,
@@ -405,7 +405,7 @@ class VisionTransformerLS(nn.Module):
     def forward_intermediates(
         self,
         x: torch.Tensor | dict[str, Any],
-        indices: int | Sequence[int] | None = None,
+        indices: int | Sequence[int] | str | None = None,
         return_prefix_tokens: bool = False,
         norm: bool = False,
         stop_early: bool = False,
@@ -413,11 +413,12 @@ class VisionTransformerLS(nn.Module):
         intermediates_only: bool = False,
         output_dict: bool = False,
     ) -> list[Any] | tuple[torch.Tensor, list[Any]] | dict[str, Any]:
-        """timm's contract: block outputs at `indices` (last n if an int), optionally normed. A NaFlex batch's
-        come as timm's NaFlexVit gives them: "NLC" only, padded `[B, N, C]` (`output_dict` adds `patch_valid`)."""
+        """timm's contract: block outputs at `indices` (last n if an int, or a name of `config.feature_layers`:
+        "last", "last_four", "four_even"), optionally normed. A NaFlex batch's come as timm's NaFlexVit gives
+        them: "NLC" only, padded `[B, N, C]` (`output_dict` adds `patch_valid`)."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt: got {output_fmt!r}; allowed: 'NCHW' or 'NLC'")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        take_indices, max_index = feature_take_indices(len(self.blocks), feature_layers(indices, len(self.blocks)))
         grid, patch_valid, attn_mask = None, None, None
         if isinstance(x, dict):
             if output_fmt != "NLC":
@@ -456,9 +457,9 @@ class VisionTransformerLS(nn.Module):
         return intermediates if intermediates_only else (self._final_norm(x), intermediates)
 
     def prune_intermediate_layers(
-        self, indices: int | Sequence[int] = 1, prune_norm: bool = False, prune_head: bool = True
+        self, indices: int | Sequence[int] | str = 1, prune_norm: bool = False, prune_head: bool = True
     ) -> list[int]:
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        take_indices, max_index = feature_take_indices(len(self.blocks), feature_layers(indices, len(self.blocks)))
         self.blocks = self.blocks[: max_index + 1]
         if prune_norm:
             self.norm = nn.Identity()
@@ -470,13 +471,14 @@ class VisionTransformerLS(nn.Module):
     def get_intermediate_layers(
         self,
         x: torch.Tensor,
-        n: int | Sequence[int] = 1,
+        n: int | Sequence[int] | str = 1,
         reshape: bool = False,
         return_class_token: bool = False,
         return_extra_tokens: bool = False,
         norm: bool = True,
     ) -> tuple[Any, ...]:
-        """Meta's DINOv3 method: patch tokens of the last `n` blocks (or of the listed blocks)."""
+        """Meta's DINOv3 method: patch tokens of the last `n` blocks (or of the listed blocks, or of a name:
+        "last", "last_four", "four_even", and Meta's "four_last", "four_even_intervals")."""
         outputs = self.forward_intermediates(
             x,
             indices=n,

@@ -23,7 +23,7 @@ from timm.models._pretrained import PretrainedCfg
 
 from timm_ls import paths
 
-from .config import VitLsConfig
+from .config import VitLsConfig, feature_layers
 from .hub import OFFICIAL_SUFFIX
 from .loading import load_pretrained
 from .model import VisionTransformerLS
@@ -140,6 +140,10 @@ def create_variant(variant: Variant, pretrained: bool = False, **kwargs: Any) ->
     model_kwargs = {**variant.model_args, **variant.tag_model_args(tag), **kwargs}
     # Checked before timm's builder sees it: the feature wrapper's default depends on a valid depth.
     config = VitLsConfig.from_dict({k: v for k, v in model_kwargs.items() if k in VitLsConfig.field_names()})
+    if isinstance(
+        model_kwargs.get("out_indices"), str
+    ):  # a name ("four_even", ...) as numbers, so feature_info lists those blocks
+        model_kwargs["out_indices"] = tuple(feature_layers(model_kwargs["out_indices"], config.depth))
     overlay = kwargs.get("pretrained_cfg_overlay")
     cfg = resolve_pretrained_cfg(variant.name, kwargs.get("pretrained_cfg"), overlay)
     if not config.dynamic_img_size:

@@ -27,7 +27,7 @@ from .names import (
     is_variant_file,
     suffix_of,
 )
-from .paths import demo_out
+from .paths import IMAGE_SUFFIXES, demo_out, image_files
 
 CHECKPOINT = "checkpoint"
 VARIANT_FILE = "variant file"
@@ -39,6 +39,7 @@ FIXES = {
     "Meta training YAML": "pass the path of Meta's DINOv3 training YAML",
     "script": "pass the path of timm's train.py or validate.py",
     "image": "pass the path of an image file with --image",
+    "image file": "pass the path of an image file or of a folder of them",
 }
 
 
@@ -144,6 +145,47 @@ def check_ablate(args: argparse.Namespace) -> None:
     _destination(args.out, folder=True, what="ablate --out", overwrite=True, into=True)
 
 
+def parse_size(text: str) -> int | None:
+    """`--size`: a positive number of pixels, or None for `native`."""
+    if text == "native":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise CliError(f"--size: got {text!r}; pass the shorter side in pixels (e.g. 768) or native")
+    return int(text)
+
+
+def parse_layer(text: str) -> int | None:
+    """`--layer`: a block index (negative counts from the end), or None for `last`."""
+    if text == "last":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise CliError(f"--layer: got {text!r}; pass a block index (0 is the first, -1 the last) or last") from None
+
+
+def check_features(args: argparse.Namespace) -> None:
+    _choice(args.dtype, "--dtype", CAST_DTYPES, "dtype")
+    parse_size(args.size)
+    parse_layer(args.layer)
+    if args.batch < 1:
+        raise CliError(f"--batch: got {args.batch}; pass 1 or more images per forward")
+    for source in args.images:
+        _require("image file", source)
+        if Path(source).is_dir() and not image_files([source]):
+            raise CliError(f"{source} holds no images ({', '.join(IMAGE_SUFFIXES)}); pass a folder of images")
+    stems: dict[str, Path] = {}
+    for image in image_files(args.images):
+        if image.stem in stems and stems[image.stem] != image:
+            raise CliError(
+                f"{stems[image.stem]} and {image} would both write {image.stem}_pca.png; rename one or run them apart"
+            )
+        stems[image.stem] = image
+    _model_source(args.model, VARIANT_FILE)
+    _require(CHECKPOINT, args.checkpoint)
+    _destination(args.out, folder=True, what="features --out", overwrite=args.overwrite)
+
+
 def check_run(args: argparse.Namespace) -> None:
     _require("script", args.script)
 
@@ -155,5 +197,6 @@ CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "demo": check_demo,
     "ablate": check_ablate,
     "run": check_run,
+    "features": check_features,
     "list": lambda args: None,
 }

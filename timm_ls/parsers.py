@@ -28,6 +28,11 @@ EXPORT_EXAMPLES = """examples:
   timm-ls export vit_ls_base_patch16_dinov3.lvd1689m vitb16-fp16.onnx --pretrained --dtype fp16 --size 224x224
   timm-ls export vit7b16-folder vit7b16.onnx --model vit_ls_7b_patch16_dinov3 --dtype fp16
   timm-ls export vit7b16-folder vit7b16-2.onnx --model-kwargs depth=2 --check   # the first 2 blocks"""
+FEATURES_EXAMPLES = """examples:
+  timm-ls features photo.jpg --model vit_ls_small_patch16_dinov3.lvd1689m --pretrained --out pca
+  timm-ls features photos/ --model vit_small_patch14_dinov2.lvd142m --pretrained --out pca --foreground
+  timm-ls features big.png --model vit_ls_base_patch16_dinov3 --checkpoint model/ --size native --out pca --save
+  timm-ls features a.png b.png --model vit_ls_small_patch16_dinov3 --out pca --per-image --layer 5"""
 
 
 def _choices(names: tuple[str, ...]) -> str:
@@ -242,8 +247,9 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--outputs",
         default="pooled",
-        metavar="pooled|tokens|features:I,J,...",
+        metavar="pooled|tokens|features:I,J,...|features:NAME",
         help="pooled: what forward returns; tokens: the last block's normed tokens; features: those blocks' "
+        "(or a name's: last, last_four, four_even, Meta's four_last, four_even_intervals) "
         "patch tokens as [N, C, H/16, W/16]",
     )
     parser.add_argument("--fuse-layerscale", action="store_true", help="fold every gamma into the layer before it")
@@ -257,6 +263,54 @@ def add_export(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
 
 
+def add_features(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "features",
+        help="the PCA of a model's patch features as RGB, beside each image (and the features as safetensors)",
+        description="Runs each image through the model at the size asked, takes one block's normed patch tokens "
+        "(the last by default; CLS and storage tokens left out) and writes DIR/<stem>_pca.png: the image and its "
+        "features' first three whitened PCA components as RGB through sigmoid(2x), as in Meta's DINOv3 figures. "
+        "One PCA is fitted on all the images together, so a colour means the same in every picture. Before a "
+        "large image it says what the forward will take, and refuses what would not fit in memory. Needs PIL "
+        "(the tools extra: pip install 'timm-layerscale[tools]').",
+        epilog=FEATURES_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or folders of them")
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="NAME[.TAG]|VARIANT.yaml",
+        help="a vit_ls variant, a YAML variant file, or a timm ViT with forward_intermediates (vit_*_dinov2, "
+        "deit3_*, eva's vit_*_dinov3, ...)",
+    )
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--pretrained", action="store_true", help="the tag's Hub weights (else random init)")
+    weights.add_argument("--checkpoint", metavar="PATH", help="weights from this file or folder")
+    _model_kwargs(parser, "depth=2")
+    parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write; must not exist")
+    parser.add_argument("--overwrite", action="store_true", help="write into DIR although it exists")
+    parser.add_argument(
+        "--size",
+        default="768",
+        metavar="N|native",
+        help="the shorter side in pixels, the longer cropped to a multiple of the patch (default 768, as Meta's "
+        "notebook); native: each image's own size, cropped to a multiple of the patch",
+    )
+    parser.add_argument("--layer", default="last", metavar="I|last", help="the block to read (default last)")
+    parser.add_argument("--per-image", action="store_true", help="fit one PCA per image, not one for them all")
+    parser.add_argument(
+        "--foreground",
+        action="store_true",
+        help="DINOv2's rule: drop patches whose first PCA component is below a threshold, then fit the colours "
+        "on the rest; the background is black",
+    )
+    parser.add_argument("--save", action="store_true", help="also write DIR/<stem>_features.safetensors")
+    parser.add_argument("--batch", type=int, default=8, metavar="N", help="images of one size per forward (8)")
+    parser.add_argument("--dtype", default="fp32", metavar=_choices(CAST_DTYPES), help="weights and activations")
+    parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu, cuda, cuda:1, mps (default cpu)")
+
+
 # command -> (its parser, the module of timm_layerscale.cli that runs it)
 COMMANDS = {
     "demo": (add_demo, "demo"),
@@ -266,6 +320,7 @@ COMMANDS = {
     "run": (add_run, "run"),
     "convert": (add_convert, "convert"),
     "export": (add_export, "export"),
+    "features": (add_features, "features"),
 }
 
 

@@ -1,5 +1,5 @@
-"""Where the package's shipped files are, and how to install it into this Python, found without importing it (its
-import loads torch and timm)."""
+"""Where the package's shipped files are, how to install it into this Python, and the image files a
+command is given, found without importing the package (its import loads torch and timm)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,19 @@ from urllib.parse import unquote, urlparse
 DISTRIBUTION = "timm-layerscale"
 # The project's name in a pyproject.toml, read by a pattern: tomllib is Python 3.11+, the package runs on 3.10.
 PROJECT_NAME = re.compile(rf"^name\s*=\s*[\"']{DISTRIBUTION}[\"']\s*$", re.MULTILINE)
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+
+
+def image_files(sources: list[str]) -> list[Path]:
+    """The images named: each file as given, each folder's image files (by suffix) in name order."""
+    found = []
+    for source in map(Path, sources):
+        if source.is_dir():
+            found += sorted(p for p in source.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        else:
+            found.append(source)
+    return found
 
 
 def package_dir() -> Path:

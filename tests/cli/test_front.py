@@ -102,6 +102,14 @@ def test_the_module_form_imports_neither_torch_nor_timm():
         (["demo", "--variant", "{d}/absent.yaml"], "variant file {d}/absent.yaml does not exist"),
         (["ablate", "--out", "{d}/missing/out"], "the folder {d}/missing does not exist"),
         (["run", "{d}/train.py"], "script {d}/train.py does not exist"),
+        (
+            ["features", "{d}/absent.png", "--model", "vit_ls_small_patch16_dinov3", "--out", "{d}/o"],
+            "image file {d}/absent.png does not exist; pass the path of an image file or of a folder of them",
+        ),
+        (
+            ["features", "{d}/src.pth", "--model", "vit_ls_small_patch16_dinov3", "--out", "{d}/taken"],
+            "{d}/taken exists; pass --overwrite to replace it",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else " ".join(v)[:40],
 )

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import VitLsConfig
+from ..config import FEATURE_LAYER_NAMES, VitLsConfig, feature_layers
 from ..model import VisionTransformerLS
 from .errors import ExportError
 
@@ -24,23 +24,30 @@ SIDE_CHECK_NODE = "pixel_values_sides_must_be_multiples_of_the_patch_size"
 
 
 def parse_outputs(outputs: str | Sequence[int] | None, depth: int) -> tuple[str, list[int]]:
-    """`pooled`, `tokens` or `features:I,J,...` (negative block indices count from the end)."""
+    """`pooled`, `tokens` or `features:I,J,...` (negative block indices count from the end, or names of
+    `config.feature_layers`: `features:four_even`)."""
     spec = (outputs or "pooled").strip()
     kind, _, indices = spec.partition(":")
     if kind in ("pooled", "tokens") and not indices:
         return kind, []
     if kind == "features":
         try:
-            blocks = [int(i) for i in indices.split(",") if i.strip()]
+            blocks = [b for i in indices.split(",") if i.strip() for b in _blocks(i.strip(), depth)]
         except ValueError:
             blocks = []
         blocks = [b + depth if b < 0 else b for b in blocks]
         if blocks and all(0 <= b < depth for b in blocks) and len(set(blocks)) == len(blocks):
             return kind, sorted(blocks)
         raise ExportError(
-            f"--outputs {spec}: name distinct blocks 0 to {depth - 1} (or -1 for the last), e.g. features:{depth - 1}"
+            f"--outputs {spec}: name distinct blocks 0 to {depth - 1} (or -1 for the last) or one of "
+            f"{', '.join(FEATURE_LAYER_NAMES)}, e.g. features:{depth - 1} or features:four_even"
         )
     raise ExportError(f"--outputs: got {spec!r}; pass pooled, tokens or features:I,J,... (block indices)")
+
+
+def _blocks(item: str, depth: int) -> list[int]:
+    """One item of `features:...`: an index, or a name's blocks."""
+    return feature_layers(item, depth) if item.lower() in FEATURE_LAYER_NAMES else [int(item)]
 
 
 def output_names(kind: str, blocks: Sequence[int]) -> list[str]:

@@ -1,0 +1,289 @@
+"""`timm-ls features`: the PCA picture against numpy's SVD of `forward_intermediates`' tokens, the saved
+features, the foreground, the memory estimate and every bad input (one line, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image, ImageDraw
+from safetensors import safe_open
+from safetensors.torch import save_file
+from support import move_off_init_
+from test_front import front, imported
+from torchvision.transforms.functional import normalize, to_tensor
+
+from timm_layerscale.cli import features as command
+from timm_layerscale.tools import dense
+from timm_ls.main import main
+
+OURS = "vit_ls_small_patch16_dinov3"
+DINOV2 = "vit_small_patch14_dinov2"
+DEIT3, EVA = "deit3_small_patch16_224", "vit_small_patch16_dinov3"  # timm's DeiT-III and eva's DINOv3
+
+
+def draw_image(path, size, seed):
+    """Shapes on a gradient, drawn from a seed (nothing downloaded)."""
+    rng = np.random.default_rng(seed)
+    width, height = size
+    ramp = np.linspace(0, 255, width, dtype=np.uint8)
+    image = Image.fromarray(np.stack([np.tile(ramp, (height, 1))] * 3, -1))
+    pen = ImageDraw.Draw(image)
+    for _ in range(4):
+        x, y = rng.integers(0, max(1, width - 20)), rng.integers(0, max(1, height - 20))
+        pen.ellipse((x, y, x + rng.integers(10, 40), y + rng.integers(10, 40)), fill=tuple(rng.integers(0, 255, 3)))
+    image.save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    """Two-block models moved off their inits, saved as files `--checkpoint` takes."""
+    folder = tmp_path_factory.mktemp("weights")
+    found = {}
+    for name in (OURS, DINOV2, DEIT3, EVA):
+        torch.manual_seed(0)
+        model = move_off_init_(timm.create_model(name, depth=2, dynamic_img_size=True)).eval()
+        save_file(model.state_dict(), folder / f"{name}.safetensors")
+        found[name] = (model, folder / f"{name}.safetensors")
+    return found
+
+
+def numpy_colours(tokens: list[np.ndarray]) -> list[np.ndarray]:
+    """Meta's colouring from the SVD alone: centred, whitened by the singular values, largest loading positive."""
+    x = np.concatenate(tokens).astype(np.float64)
+    u, _, vt = np.linalg.svd(x - x.mean(0), full_matrices=False)
+    signs = np.sign(vt[np.arange(3), np.abs(vt[:3]).argmax(1)])
+    projected = u[:, :3] * signs * np.sqrt(len(x) - 1)
+    rgb = np.rint(255 / (1 + np.exp(-2 * projected)))
+    return np.split(rgb, np.cumsum([len(t) for t in tokens])[:-1])
+
+
+def model_tokens(model, path, patch):
+    """The last block's normed patch tokens, `[h * w, C]`, of an image already a multiple of the patch."""
+    cfg = timm.data.resolve_data_config({}, model=model)
+    x = normalize(to_tensor(Image.open(path).convert("RGB")), cfg["mean"], cfg["std"]).unsqueeze(0)
+    with torch.no_grad():
+        (out,) = model.forward_intermediates(x, indices=[len(model.blocks) - 1], norm=True, intermediates_only=True)
+    return out[0].flatten(1).T.numpy()
+
+
+def right_half_at_patch_centres(png, patch):
+    pixels = np.asarray(Image.open(png))
+    width = pixels.shape[1] // 2
+    right = pixels[:, width:]
+    return right[patch // 2 :: patch, patch // 2 :: patch].reshape(-1, 3).astype(np.float64)
+
+
+@pytest.mark.parametrize(("name", "patch"), [(OURS, 16), (DINOV2, 14), (DEIT3, 16), (EVA, 16)])
+def test_the_picture_is_the_svd_of_the_tokens_fitted_on_both_images(name, patch, weights, tmp_path):
+    model, file = weights[name]
+    images = [
+        draw_image(tmp_path / "a.png", (8 * patch, 6 * patch), 1),
+        draw_image(tmp_path / "b.png", (10 * patch, 4 * patch), 2),
+    ]
+    out = tmp_path / "out"
+    args = ["features", *map(str, images), "--model", name, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "native", "--out", str(out)]) == 0
+    expected = numpy_colours([model_tokens(model, p, patch) for p in images])
+    for image, colours in zip(images, expected):
+        got = right_half_at_patch_centres(out / f"{image.stem}_pca.png", patch)
+        assert got.shape == colours.shape
+        assert np.abs(got - colours).max() <= 1  # one level of 255 for fp32 rounding
+        assert colours.std(0).min() > 10  # the colours vary: a constant picture would pass the line above
+
+
+def test_per_image_fits_each_alone_and_differs_from_the_joint_fit(weights, tmp_path):
+    model, file = weights[OURS]
+    images = [draw_image(tmp_path / "a.png", (128, 96), 1), draw_image(tmp_path / "b.png", (160, 64), 2)]
+    base = ["features", *map(str, images), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*base, "--size", "native", "--out", str(tmp_path / "alone"), "--per-image"]) == 0
+    assert main([*base, "--size", "native", "--out", str(tmp_path / "joint")]) == 0
+    for image in images:
+        (alone,) = numpy_colours([model_tokens(model, image, 16)])
+        got = right_half_at_patch_centres(tmp_path / "alone" / f"{image.stem}_pca.png", 16)
+        assert np.abs(got - alone).max() <= 1
+        joint = right_half_at_patch_centres(tmp_path / "joint" / f"{image.stem}_pca.png", 16)
+        assert np.abs(joint - alone).max() > 20
+
+
+def test_save_writes_the_tokens_with_grid_layer_and_model(weights, tmp_path, capsys):
+    model, file = weights[OURS]
+    image = draw_image(tmp_path / "a.png", (200, 150), 3)  # resized to a shorter side of 64: 85x64, cropped 80x64
+    args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "64", "--layer", "0", "--out", str(tmp_path / "out"), "--save"]) == 0
+    assert "plan: 1 image" in capsys.readouterr().out
+    with safe_open(tmp_path / "out" / "a_features.safetensors", "pt") as saved:
+        meta, tokens = saved.metadata(), saved.get_tensor("features")
+    assert tokens.shape == (4, 5, 384)
+    assert meta["grid"] == "4x5" and meta["layer"] == "0" and meta["model"] == OURS and str(file) in meta["source"]
+    assert meta["input_size"] == "64x80" and meta["patch_size"] == "16"
+    picture = command.prepare(
+        image, Image.open(image).convert("RGB"), 64, 16, timm.data.resolve_data_config(model=model)
+    )
+    x = torch.from_numpy(picture.pixels).unsqueeze(0)
+    with torch.no_grad():
+        (expected,) = model.forward_intermediates(x, indices=[0], norm=True, intermediates_only=True)
+    assert torch.allclose(tokens, expected[0].permute(1, 2, 0), atol=1e-5 * expected.abs().max().item())
+    resized = Image.open(image).convert("RGB").resize((85, 64), Image.BICUBIC).crop((2, 0, 82, 64))
+    assert np.array_equal(picture.image, np.asarray(resized))  # timm's eval transform: resize, centre crop
+
+
+def test_foreground_keeps_the_side_away_from_the_borders_and_draws_the_rest_black(tmp_path, capsys):
+    # Features: a bright square in the middle of the grid, far from the background around it.
+    grid = (8, 8)
+    rng = np.random.default_rng(0)
+    feats = rng.normal(0, 0.1, (64, 16))
+    middle = np.zeros(grid, bool)
+    middle[2:6, 2:6] = True
+    feats[middle.reshape(-1)] += 5 * rng.normal(size=16)
+    for flip in (1, -1):
+        found = dense.foreground([feats * flip], [grid])
+        assert np.array_equal(found.masks[0], middle.reshape(-1)), "the middle is the foreground, whatever the sign"
+    (rgb,) = dense.pca_colours([feats], found.masks)
+    assert (rgb[~middle.reshape(-1)] == 0).all() and (rgb[middle.reshape(-1)] > 0).all()
+    assert "the first PCA component > 0" in found.line() and "16 of 64 patches" in found.line()
+
+
+def test_foreground_through_the_command_prints_its_rule(weights, tmp_path, capsys):
+    _, file = weights[OURS]
+    image = draw_image(tmp_path / "a.png", (128, 96), 1)
+    args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "native", "--out", str(tmp_path / "out"), "--foreground"]) == 0
+    assert "foreground: DINOv2's rule, the first PCA component > 0" in capsys.readouterr().out
+    right = right_half_at_patch_centres(tmp_path / "out" / "a_pca.png", 16)
+    assert 0 < (right.sum(1) == 0).sum() < len(right)  # some patches black, not all
+
+
+def test_the_sign_rule_makes_the_largest_loading_positive():
+    x = np.random.default_rng(1).normal(size=(50, 6)) * [5, 4, 3, 1, 1, 1]
+    for flip in (1, -1):
+        pca = dense.fit_pca(x * flip)
+        assert (pca.components[np.arange(3), np.abs(pca.components).argmax(1)] > 0).all()
+        assert np.allclose(pca.project(x * flip).std(0, ddof=1), 1)  # whitened
+    assert np.allclose(dense.fit_pca(x).components, dense.fit_pca(-x).components)  # the sign is the rule's
+
+
+def test_the_estimate_is_linear_in_tokens_and_the_largest_side_fits():
+    one = dense.forward_bytes(1000, 384)
+    assert dense.forward_bytes(2000, 384) - one == one - dense.FORWARD_FIXED_BYTES
+    assert dense.forward_bytes(1000, 384, element_size=2) < one < dense.forward_bytes(1000, 384, batch=2)
+    available = 2 * 2**30
+    side = dense.largest_side(available, 768, 16, 1.5, 5)
+    tokens = lambda s: (s // 16) * int(s * 1.5 // 16) + 5  # noqa: E731
+    assert side % 16 == 0 and side > 0
+    assert dense.forward_bytes(tokens(side), 768) <= available < dense.forward_bytes(tokens(side + 16), 768)
+
+
+def test_mem_available_is_read_from_meminfo(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
+    assert dense.available_memory(tmp_path / "meminfo") == 2048 * 1024
+    assert dense.available_memory(tmp_path / "absent") is None
+
+
+def test_an_image_too_large_for_memory_is_refused_with_the_side_that_fits(weights, tmp_path, capsys, monkeypatch):
+    _, file = weights[OURS]
+    image = draw_image(tmp_path / "a.png", (128, 96), 1)  # at --size 2048: 2720x2048 px, 170x128 patches
+    free = dense.forward_bytes(5000, 384)
+    monkeypatch.setattr(command, "available_memory", lambda: free)
+    args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "2048", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    side = dense.largest_side(free - 21760 * 384 * 4, 384, 16, 2720 / 2048, 5)
+    assert 0 < side < 2048
+    assert len(err) == 1 and "is 21760 patches" in err[0] and f"pass --size {side} or less" in err[0], err
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(command, "available_memory", lambda: free * 10)
+    assert main([*args, "--size", str(side), "--out", str(tmp_path / "out")]) == 0
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("case", "line"),
+    [
+        ("missing", "image file {d}/absent.png does not exist; pass the path of an image file or of a folder"),
+        ("empty folder", "{d}/empty holds no images"),
+        ("destination exists", "{d}/taken exists; pass --overwrite to replace it"),
+        ("bad size", "--size: got 'big'; pass the shorter side in pixels"),
+        ("bad layer", "--layer: got 'first'; pass a block index"),
+        ("same stem", "{d}/a.png and {d}/sub/a.jpg would both write a_pca.png"),
+    ],
+)
+def test_bad_input_before_torch_is_one_line_and_writes_nothing(case, line, tmp_path):
+    draw_image(tmp_path / "a.png", (64, 64), 0)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "sub").mkdir()
+    draw_image(tmp_path / "sub" / "a.jpg", (64, 64), 0)
+    image, out, extra = str(tmp_path / "a.png"), str(tmp_path / "out"), []
+    if case == "missing":
+        image = str(tmp_path / "absent.png")
+    elif case == "empty folder":
+        image = str(tmp_path / "empty")
+    elif case == "destination exists":
+        out = str(tmp_path / "taken")
+    elif case == "bad size":
+        extra = ["--size", "big"]
+    elif case == "bad layer":
+        extra = ["--layer", "first"]
+    elif case == "same stem":
+        extra = [str(tmp_path / "sub")]
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    run = front("features", image, *extra, "--model", OURS, "--out", out)
+    error = run.stderr.strip().splitlines()[:-1]
+    assert run.returncode == 2 and run.stdout == "" and len(error) == 1, run.stderr
+    assert error[0].startswith("timm-ls: error: " + line.format(d=tmp_path)), error
+    assert imported(run) == "-"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    ("case", "line"),
+    [
+        ("unreadable", "cannot read image {d}/bad.png"),
+        ("below a patch", "--size 8 is below one patch (16 px) of the model; pass --size 16 or more"),
+        (
+            "native below a patch",
+            "{d}/tiny.png is 12x9 px, smaller than one patch (16 px) of the model; pass --size 16",
+        ),
+        ("layer out of range", "--layer 5: the model has 2 blocks; pass 0 to 1, -1 or last"),
+        ("not a vit", "resnet18 has no forward_intermediates and blocks"),
+        ("bad device", "--device: got 'gpu0'; pass cpu, cuda, cuda:N or mps"),
+        ("absent device", "--device cuda:7: this machine has no such device; pass --device cpu"),
+    ],
+)
+def test_bad_input_after_torch_is_one_line_and_writes_nothing(case, line, tmp_path, capsys):
+    draw_image(tmp_path / "a.png", (64, 48), 0)
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    image, extra, model = tmp_path / "a.png", ["--size", "64"], OURS
+    if case == "unreadable":
+        image = tmp_path / "bad.png"
+    elif case == "below a patch":
+        extra = ["--size", "8"]
+    elif case == "native below a patch":
+        image, extra = draw_image(tmp_path / "tiny.png", (12, 9), 0), ["--size", "native"]
+    elif case == "layer out of range":
+        extra += ["--layer", "5"]
+    elif case == "not a vit":
+        model = "resnet18"
+    elif case in ("bad device", "absent device"):
+        extra += ["--device", "gpu0" if case == "bad device" else "cuda:7"]
+    kwargs = [] if model == "resnet18" else ["--model-kwargs", "depth=2"]
+    args = ["features", str(image), "--model", model, *kwargs, "--out", str(tmp_path / "out"), *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line.format(d=tmp_path) in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_overwrite_writes_into_an_existing_folder(weights, tmp_path):
+    _, file = weights[OURS]
+    image = draw_image(tmp_path / "a.png", (64, 48), 0)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("kept")
+    args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "48", "--out", str(tmp_path / "out"), "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a_pca.png", "mine.txt"]

@@ -1,0 +1,212 @@
+"""Dense features made visible: the PCA of patch features as RGB, the foreground, and the memory a forward takes.
+
+numpy only (no torch): the command hands over each image's patch features as `[h * w, C]` float arrays.
+
+The colours follow Meta's `notebooks/pca.ipynb` (DINOv3): three components of a PCA (centred, whitened: unit
+variance over the patches it was fitted on), each through `sigmoid(2 x)`. A component's sign is arbitrary in
+any SVD; here it is fixed so that its largest-magnitude loading is positive (scikit-learn's `svd_flip` rule
+on the components), so the same features always give the same colours.
+
+The foreground is DINOv2's rule (its paper, section 7.2 / Fig. 1): a first PCA over every patch, thresholded on
+its first component; the second PCA, whose components are the colours, is fitted on the foreground alone and the
+background is drawn black. The first component's sign says which side is which: here the side of the
+threshold (`FOREGROUND_THRESHOLD`, on the whitened component) that holds fewer of the image's border patches
+is the foreground.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .files import write_atomically
+from .plots import INSTALL_HINT
+
+COMPONENTS = 3
+FOREGROUND_THRESHOLD = 0.0  # on the first whitened component: above it (sign fixed as said) is foreground
+# Fitted by benchmarks/dense_memory.py to the peak RssAnon of ours' forward_features (fp32, CPU, ViT-S/16 and
+# ViT-B/16 at sides 512 to 2048; BENCHMARKS.md section 12): peak = FORWARD_FIXED_BYTES + this * tokens *
+# embed_dim * batch, for 4-byte activations; half precision halves the per-token term.
+FORWARD_BYTES_PER_ELEMENT = 78.3
+FORWARD_FIXED_BYTES = 48 * 2**20
+MEMINFO = Path("/proc/meminfo")
+
+
+class ImagingUnavailable(Exception):
+    """PIL (which comes with matplotlib, the `tools` extra) is not installed."""
+
+
+def missing_pil() -> str:
+    return f"reading and writing images needs PIL, which the core install leaves out; install it with {INSTALL_HINT}"
+
+
+def _pil():
+    if importlib.util.find_spec("PIL") is None:
+        raise ImagingUnavailable(missing_pil())
+    from PIL import Image  # an optional dependency: imported on use, so the package imports without it
+
+    return Image
+
+
+@dataclass(frozen=True)
+class Pca:
+    """A whitened PCA: `project(x) = (x - mean) @ components.T / scales`."""
+
+    mean: np.ndarray  # [C]
+    components: np.ndarray  # [k, C], rows of unit length, signs fixed
+    scales: np.ndarray  # [k], the standard deviation of each component over the fitted patches
+
+    def project(self, features: np.ndarray) -> np.ndarray:
+        return (np.asarray(features, np.float64) - self.mean) @ self.components.T / self.scales
+
+
+def fit_pca(features: np.ndarray, components: int = COMPONENTS) -> Pca:
+    """The whitened PCA of `features` `[N, C]` (N >= 2), by SVD; each component's largest loading positive."""
+    x = np.asarray(features, np.float64)
+    if x.ndim != 2 or len(x) < 2:
+        raise ValueError(f"a PCA needs at least 2 patches of features [N, C]; got shape {x.shape}")
+    mean = x.mean(0)
+    _, singular, vt = np.linalg.svd(x - mean, full_matrices=False)
+    k = min(components, len(singular))
+    vt = vt[:k]
+    signs = np.sign(vt[np.arange(k), np.abs(vt).argmax(1)])
+    scales = singular[:k] / math.sqrt(len(x) - 1)
+    return Pca(mean, vt * signs[:, None], np.where(scales > 0, scales, 1.0))
+
+
+def colours(projected: np.ndarray) -> np.ndarray:
+    """Meta's colouring: `sigmoid(2 x)` of each whitened component, in [0, 1]; fewer than 3 padded with 0.5."""
+    rgb = 1.0 / (1.0 + np.exp(-2.0 * projected))
+    if rgb.shape[-1] < COMPONENTS:
+        rgb = np.concatenate([rgb, np.full((*rgb.shape[:-1], COMPONENTS - rgb.shape[-1]), 0.5)], -1)
+    return rgb
+
+
+def border(grid: tuple[int, int]) -> np.ndarray:
+    """The patches on the edge of a `(h, w)` grid, as a flat boolean mask."""
+    edge = np.zeros(grid, bool)
+    edge[[0, -1], :] = edge[:, [0, -1]] = True
+    return edge.reshape(-1)
+
+
+@dataclass(frozen=True)
+class Foreground:
+    masks: list[np.ndarray]  # per image, flat boolean `[h * w]`
+    threshold: float
+
+    def line(self) -> str:
+        kept = sum(int(m.sum()) for m in self.masks)
+        total = sum(m.size for m in self.masks)
+        return (
+            f"foreground: DINOv2's rule, the first PCA component > {self.threshold:g} (whitened; its sign makes the "
+            f"image borders background): {kept} of {total} patches ({kept / max(total, 1):.0%})"
+        )
+
+
+def foreground(features: Sequence[np.ndarray], grids: Sequence[tuple[int, int]]) -> Foreground:
+    """DINOv2's foreground over these images together: the first component of their PCA above the threshold,
+    on the side that holds fewer border patches."""
+    first = fit_pca(np.concatenate(features), components=1)
+    scores = [first.project(f)[:, 0] for f in features]
+    edge = np.concatenate([s[border(g)] for s, g in zip(scores, grids)])
+    flip = (edge > FOREGROUND_THRESHOLD).mean() > 0.5
+    masks = [(-s if flip else s) > FOREGROUND_THRESHOLD for s in scores]
+    return Foreground(masks, FOREGROUND_THRESHOLD)
+
+
+def pca_colours(
+    features: Sequence[np.ndarray], masks: Sequence[np.ndarray] | None = None, joint: bool = True
+) -> list[np.ndarray]:
+    """Each image's patch colours `[h * w, 3]`: the PCA fitted on every image's (masked) patches together, or,
+    without `joint`, on each image's own; a masked-out patch is black."""
+    masks = list(masks) if masks is not None else [np.ones(len(f), bool) for f in features]
+    groups = [list(range(len(features)))] if joint else [[i] for i in range(len(features))]
+    result: list[np.ndarray] = [np.empty(0)] * len(features)
+    for group in groups:
+        kept = np.concatenate([features[i][masks[i]] for i in group])
+        if len(kept) < 2:
+            raise ValueError("the foreground holds fewer than 2 patches: nothing to fit; drop --foreground")
+        pca = fit_pca(kept)
+        for i in group:
+            result[i] = colours(pca.project(features[i])) * masks[i][:, None]
+    return result
+
+
+def side_by_side(image: np.ndarray, rgb: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """`image` `[H, W, 3]` uint8 and the patch colours `[h * w, 3]` in [0, 1] at the image's resolution
+    (each patch a block of its pixels), side by side: `[H, 2 W, 3]` uint8."""
+    height, width = image.shape[:2]
+    h, w = grid
+    patches = np.rint(rgb.reshape(h, w, 3) * 255).astype(np.uint8)
+    up = patches.repeat(height // h, 0).repeat(width // w, 1)
+    return np.concatenate([image, up], 1)
+
+
+def target_size(width: int, height: int, size: int | None, patch: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Where an image of `width` x `height` goes, as timm's eval transform takes it (resize the shorter side,
+    centre crop): `((resized_w, resized_h), (crop_w, crop_h))`, the crop a multiple of `patch` per side.
+    `size` is the shorter side; None keeps the image's own size (only the crop)."""
+    if size is None:
+        resized = (width, height)
+    else:
+        scale = size / min(width, height)
+        resized = (max(size, round(width * scale)), max(size, round(height * scale)))
+    return resized, (resized[0] // patch * patch, resized[1] // patch * patch)
+
+
+def read_image(path: Path):
+    """The image at `path` as RGB (PIL), or a `ValueError` naming the file and the fix."""
+    image_cls = _pil()
+    try:
+        with image_cls.open(path) as img:
+            return img.convert("RGB")
+    except OSError as exc:  # PIL's UnidentifiedImageError is an OSError
+        raise ValueError(f"cannot read image {path} ({' '.join(str(exc).split())}); pass a PNG or JPEG file") from None
+
+
+def write_png(path: Path, pixels: np.ndarray) -> None:
+    """`pixels` `[H, W, 3]` uint8 as a PNG, written whole or not at all."""
+    buffer = io.BytesIO()
+    _pil().fromarray(pixels).save(buffer, format="PNG", optimize=True)
+    write_atomically(path, buffer.getvalue())
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+def forward_bytes(tokens: int, embed_dim: int, batch: int = 1, element_size: int = 4) -> int:
+    """The peak memory a forward over `batch` images of `tokens` tokens takes above its weights, by the formula
+    fitted to benchmarks/dense_memory.py (linear in tokens: attention runs in SDPA's fused kernels)."""
+    per_token = FORWARD_BYTES_PER_ELEMENT * embed_dim * element_size / 4
+    return int(FORWARD_FIXED_BYTES + per_token * tokens * batch)
+
+
+def largest_side(
+    available: int, embed_dim: int, patch: int, aspect: float, prefix: int, batch: int = 1, element_size: int = 4
+) -> int:
+    """The largest shorter side (a multiple of `patch`) whose forward fits in `available` bytes, 0 if none does;
+    `aspect` is the longer side over the shorter."""
+    side = 0
+    while True:
+        nxt = side + patch
+        tokens = (nxt // patch) * int(nxt * aspect // patch) + prefix
+        if forward_bytes(tokens, embed_dim, batch, element_size) > available:
+            return side
+        side = nxt
+
+
+def available_memory(meminfo: Path = MEMINFO) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is no such file (not Linux)."""
+    try:
+        text = meminfo.read_text()
+    except OSError:
+        return None
+    match = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
