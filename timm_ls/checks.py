@@ -183,7 +183,7 @@ def check_features(args: argparse.Namespace) -> None:
         stems[image.stem] = image
     _model_source(args.model, VARIANT_FILE)
     _require(CHECKPOINT, args.checkpoint)
-    _destination(args.out, folder=True, what="features --out", overwrite=args.overwrite)
+    _destination(args.out, folder=True, what="features --out", overwrite=args.overwrite, into=args.overwrite)
 
 
 def check_run(args: argparse.Namespace) -> None:

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from timm_ls.paths import install_hint
+
 from .files import write_atomically
-from .plots import INSTALL_HINT
 
 COMPONENTS = 3
 FOREGROUND_THRESHOLD = 0.0  # on the first whitened component: above it (sign fixed as said) is foreground
@@ -44,7 +45,8 @@ class ImagingUnavailable(Exception):
 
 
 def missing_pil() -> str:
-    return f"reading and writing images needs PIL, which the core install leaves out; install it with {INSTALL_HINT}"
+    hint = install_hint("tools")
+    return f"reading and writing images needs PIL, which the core install leaves out; install it with {hint}"
 
 
 def _pil():
