@@ -272,7 +272,7 @@ def test_the_report_names_the_keys_as_users_do():
     headless = timm.create_model(NAME, **TINY)
     sources = {
         "Meta DINOv3 keys": load_file(FIXTURES / "meta_mlp.safetensors"),
-        "transformers DINOv3ViTModel keys": transformers_reference("mlp").state_dict(),
+        "transformers DINOv3ViTModel or Sapiens2Model keys": transformers_reference("mlp").state_dict(),
         "timm eva keys": eva_reference("mlp").state_dict(),
     }
     for keys, state in sources.items():

@@ -85,6 +85,8 @@ def checkpoint_filter_fn(state_dict: Any, model: nn.Module) -> StateDict:
 
 def _load_pre_hook(module: nn.Module, state_dict, prefix: str, *args) -> None:
     ours = {k[len(prefix) :]: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    if not ours:  # a wrapper loading only its other parts (strict=False): torch reports what is missing
+        return
     converted, lines = convert_state_dict(ours, module)
     state_dict.update({prefix + k: v for k, v in converted.items()})
     # After the filter the same load reaches this hook with converted keys: report only once.
