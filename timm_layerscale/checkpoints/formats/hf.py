@@ -17,7 +17,7 @@ import torch
 
 from timm_ls.names import HF_SPEC
 
-from ...config import VitLsConfig
+from ...config import SWITCH, VitLsConfig
 from ...layers import effective_qkv_bias
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
@@ -25,6 +25,7 @@ from ..mapping.keys import KeyTable, row
 from ..write.writers import Progress, write_sharded_safetensors, write_text
 from .base import (
     CONFIG_FILE,
+    HIDDEN_WIDTH,
     ConfigField,
     Format,
     Job,
@@ -122,11 +123,11 @@ def _first_init_value(config: VitLsConfig) -> float:
 # config.json <-> model args, both ways. Fields the model fixes are written from the model (`write` only).
 CONFIG_FIELDS = (
     ConfigField("hidden_size", "embed_dim"),
-    ConfigField("intermediate_size", write=hidden_features, read=_ffn_args),
+    ConfigField("intermediate_size", write=hidden_features, read=_ffn_args, rule=HIDDEN_WIDTH),
     ConfigField("num_hidden_layers", "depth"),
     ConfigField("num_attention_heads", "num_heads"),
     ConfigField("hidden_act", write=lambda c: "silu" if c.ffn_layer == "swiglu" else "gelu"),
-    ConfigField("use_gated_mlp", write=lambda c: c.ffn_layer == "swiglu"),
+    ConfigField("use_gated_mlp", write=lambda c: c.ffn_layer == "swiglu", rule=SWITCH),
     ConfigField("layer_norm_eps", "norm_eps"),
     ConfigField("rope_theta", "rope_base"),
     ConfigField("image_size", "img_size"),
@@ -172,10 +173,10 @@ class HuggingFace(Format):
         lambda1 = f".{gamma_name(SPELLING, 1)}"
         return any(k.startswith(("embeddings.", "layer.", "model.layer.")) or lambda1 in k for k in keys)
 
-    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
+    def read_config(self, cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> SourceConfig | None:
         if cfg.get("model_type") != "dinov3_vit":
             return None
-        args = read_fields(CONFIG_FIELDS, cfg)
+        args = read_fields(CONFIG_FIELDS, cfg, where)
         args.setdefault("embed_dim", 384)
         if "intermediate_size" not in cfg:
             args.update(_ffn_args({**cfg, "intermediate_size": args["embed_dim"] * 4}))
