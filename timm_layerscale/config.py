@@ -91,7 +91,13 @@ SWITCH = Rule(lambda v: isinstance(v, bool), "true or false")
 SIZE = Rule(_is_size, f"an integer in [1, {MAX_SIDE}] or a pair of them")
 SHIFT = Rule(lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0")
 SCALE = Rule(lambda v: v is None or (_is_number(v) and v >= 1), "null or a number >= 1")
-ANY = Rule(lambda v: True, "")  # checked by its own resolver (init_values)
+_INIT_VALUES_ALLOWED = (
+    "a positive number, 0 / 'off' / false / null (LayerScale off), 'auto' (CaiT's depth rule), "
+    "a mapping {attn: ..., mlp: ...} of those, or a list with one such entry per block"
+)
+# Its shape as given: scalars, {attn, mlp} mappings of them, or a list of those no longer than the deepest
+# model (its length against depth, and each value, are checked when resolved).
+INIT_VALUES = Rule(lambda v: _is_init_values(v), _INIT_VALUES_ALLOWED)
 
 
 def one_of(choices: tuple[str, ...]) -> Rule:
@@ -129,7 +135,7 @@ class VitLsConfig:
     ffn_bias: bool = knob(True, SWITCH)
     norm_eps: float = knob(1e-5, POSITIVE)
     # LayerScale: float, 0/"off"/None, "auto", {attn, mlp}, or a per-block list of those
-    init_values: Any = knob(1e-5, ANY)
+    init_values: Any = knob(1e-5, INIT_VALUES)
     # Rotary position embedding
     rope_base: float = knob(100.0, POSITIVE)
     rope_normalize_coords: str = knob("separate", one_of(NORMALIZE_COORDS))
@@ -302,12 +308,6 @@ def cait_init_value(depth: int) -> float:
     return 1e-6
 
 
-_INIT_VALUES_ALLOWED = (
-    "a positive number, 0 / 'off' / false / null (LayerScale off), 'auto' (CaiT's depth rule), "
-    "a mapping {attn: ..., mlp: ...} of those, or a list with one such entry per block"
-)
-
-
 def _resolve_scalar(value: Any, depth: int, where: str) -> float | None:
     value = parse_scalar(value)
     if value is None or value is False:
@@ -330,6 +330,17 @@ def _resolve_branches(value: Any, depth: int, where: str) -> BranchInit:
         return tuple(_resolve_scalar(value[b], depth, f"{where}.{b}") for b in BRANCHES)
     scalar = _resolve_scalar(value, depth, where)
     return scalar, scalar
+
+
+def _is_init_values(value: Any) -> bool:
+    if isinstance(value, str) and value.strip().startswith("["):
+        return True  # a list spelled as text: parsed and checked when resolved
+    entries = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    scalars = (str, int, float, type(None))
+    return len(entries) <= MAX_DEPTH and all(
+        isinstance(e, scalars) or (isinstance(e, Mapping) and all(isinstance(v, scalars) for v in e.values()))
+        for e in entries
+    )  # the values themselves are checked when resolved, each named by its block and branch
 
 
 def resolve_init_values(value: Any, depth: int) -> list[BranchInit]:

@@ -17,6 +17,8 @@ import pytest
 import timm
 from safetensors.torch import load_file, save_file
 
+from timm_layerscale.checkpoints import CheckpointError
+from timm_layerscale.checkpoints.mapping.keys import block_count
 from timm_layerscale.convert import convert_checkpoint
 from timm_ls.main import main
 
@@ -26,6 +28,14 @@ TINY_KWARGS = ["--model-kwargs", *(f"{k}={v}" for k, v in TINY.items())]
 SECONDS = 10.0  # each case, beyond the imports; most take well under one
 SEED = 20261202
 DEEP = "[" * 900 + "]" * 900
+
+
+def test_a_block_index_is_parsed_with_a_bound():
+    """Before any per-block structure: the index at the deepest model a config may have is refused."""
+    assert block_count(["blocks.1023.norm1.weight", "cls_token"]) == 1024
+    for index in ("1024", "999999999", "9" * 5000, "x", "٣", ""):
+        with pytest.raises(CheckpointError, match="block index"):
+            block_count([f"blocks.{index}.norm1.weight"])
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +95,8 @@ CONFIG_CASES = {
     "timm ratio four": ("timm", setting("model_args", "mlp_ratio", "four"), "mlp_ratio: got 'four'; allowed"),
     "timm a million blocks": ("timm", setting("model_args", "depth", 10**6), "model_args: depth: got 1000000"),
     "timm pretrained cfg a list": ("timm", setting("pretrained_cfg", [1]), "pretrained_cfg: got a list"),
-    "native width as text": ("native", setting("model_args", "embed_dim", "64"), "embed_dim: got '64'"),
-    "native a million blocks": ("native", setting("model_args", "depth", 10**6), "depth: got 1000000; allowed"),
+    "native width as text": ("native", setting("model_args", "embed_dim", "64"), "model_args: embed_dim: got '64'"),
+    "native a million blocks": ("native", setting("model_args", "depth", 10**6), "model_args: depth: got 1000000"),
     "native init 900 deep": ("native", setting("model_args", "init_values", json.loads(DEEP)), "init_values"),
     "native deeper than JSON": ("native", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "is not valid JSON"),
 }
@@ -99,6 +109,7 @@ def test_a_crafted_config_json_is_one_line(case, sources, tmp_path, capsys):
     code, err, took = answer(["convert", str(folder), str(tmp_path / "out"), "--to", "native"], capsys)
     assert_one_line_or_read(code, err, took, case)
     assert code == 2 and message in err and not (tmp_path / "out").exists(), err
+    assert err.startswith(f"timm-ls: error: {folder}"), err  # the file is named
 
 
 def test_a_head_less_native_folder_is_read_as_native(sources, tmp_path, capsys):

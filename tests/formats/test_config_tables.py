@@ -107,10 +107,11 @@ def test_timm_config_round_trip_keeps_every_field():
     assert hidden_features(back) == hidden_features(config)
 
 
-@pytest.mark.parametrize(("ratio", "align"), [(2.7, 8), (8 / 3, 64), (3.0, 1)])
-def test_eva_swiglu_hidden_size_is_timms(ratio, align):
-    """The SwiGLU width our args give from eva's model args is the width timm's eva builds from them."""
-    model_args = dict(embed_dim=64, num_heads=4, depth=1, mlp_ratio=ratio, swiglu_mlp=True, swiglu_align_to=align)
+@pytest.mark.parametrize(("dim", "ratio", "align"), [(64, 2.7, 8), (64, 8 / 3, 64), (64, 3.0, 1), (32, 5.3, 8)])
+def test_eva_swiglu_hidden_size_is_timms(dim, ratio, align):
+    """The SwiGLU width our args give from eva's model args is the width timm's eva builds from them (32 wide,
+    5.3: eva's 169 rounds up to 176; unaligned, our ratio would round to 168)."""
+    model_args = dict(embed_dim=dim, num_heads=4, depth=1, mlp_ratio=ratio, swiglu_mlp=True, swiglu_align_to=align)
     eva = timm.create_model("vit_small_plus_patch16_dinov3_qkvb", **model_args, device="meta")
     cfg = {"architecture": "vit_small_plus_patch16_dinov3_qkvb", "model_args": model_args}
     ours = VitLsConfig(**TIMM.read_config(cfg).args)
@@ -174,3 +175,61 @@ def test_every_config_field_has_its_rule():
     """A field without a rule would take any value a file gives it."""
     unruled = [f.name for f in dataclasses.fields(VitLsConfig) if f.init and "rule" not in f.metadata]
     assert unruled == []
+
+
+def test_transformers_config_names_each_value_by_transformers_field():
+    """A swap of two rows round-trips; the written file, read by its own field names, does not."""
+    # The biases apart (the model's three and transformers' four bias fields are otherwise all the same value).
+    config = VitLsConfig(**{**HF_VALUES, "proj_bias": True, "ffn_bias": True})
+    cfg = transformers_config(config, k_bias=False, dtype=torch.float32)
+    expected = dict(
+        hidden_size=96,
+        intermediate_size=288,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        layer_norm_eps=1e-6,
+        rope_theta=50.0,
+        image_size=112,
+        patch_size=8,
+        num_channels=4,
+        num_register_tokens=2,
+        query_bias=False,
+        value_bias=False,
+        proj_bias=True,
+        mlp_bias=True,
+        key_bias=False,
+        drop_path_rate=0.125,
+        pos_embed_shift=0.5,
+        pos_embed_jitter=1.5,
+        pos_embed_rescale=2.5,
+    )
+    assert {k: cfg[k] for k in expected} == expected
+    built = DINOv3ViTConfig(**cfg)  # transformers' own reading of the file
+    assert (built.hidden_size, built.num_hidden_layers, built.pos_embed_rescale) == (96, 3, 2.5)
+    assert transformers_config(config, k_bias=True, dtype=torch.float32)["key_bias"] is True
+
+
+def test_timm_config_names_each_value_by_evas_argument():
+    config = VitLsConfig(**TIMM_VALUES)
+    cfg = eva_config(config, SMALL.replace("small", "small_plus"), False, {})
+    args = cfg["model_args"]
+    assert cfg["num_classes"] == cfg["pretrained_cfg"]["num_classes"] == 7 and cfg["global_pool"] == "avg"
+    expected = dict(
+        img_size=112,
+        patch_size=8,
+        in_chans=4,
+        num_classes=7,
+        global_pool="avg",
+        embed_dim=96,
+        depth=3,
+        num_heads=6,
+        swiglu_mlp=True,
+        swiglu_align_to=64,
+        num_reg_tokens=2,
+        rope_temperature=50.0,
+        dynamic_img_size=False,
+        dynamic_img_pad=True,
+    )
+    assert {k: args[k] for k in expected} == expected
+    eva = timm.create_model("vit_small_plus_patch16_dinov3", **args, device="meta")  # timm's own reading
+    assert eva.blocks[0].mlp.fc1_g.out_features == hidden_features(config) and eva.num_prefix_tokens == 3

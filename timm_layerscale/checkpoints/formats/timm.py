@@ -110,7 +110,7 @@ TABLE = KeyTable(
 def _ratio_for(hidden: int, dim: int) -> float:
     """A ratio whose `int(dim * ratio)` is exactly `hidden` (how eva sizes its MLP)."""
     ratio = hidden / dim
-    while int(dim * ratio) < hidden:
+    if int(dim * ratio) < hidden:  # one step suffices: hidden / dim is correctly rounded, so within an ulp
         ratio = math.nextafter(ratio, math.inf)
     return ratio
 
