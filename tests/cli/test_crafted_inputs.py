@@ -7,6 +7,7 @@ Failures name the seed and the case."""
 from __future__ import annotations
 
 import json
+import pickle
 import random
 import resource
 import shutil
@@ -15,10 +16,15 @@ from pathlib import Path
 
 import pytest
 import timm
+import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
 from timm_layerscale.checkpoints import CheckpointError
 from timm_layerscale.checkpoints.mapping.keys import block_count
+from timm_layerscale.checkpoints.read.dcp.reader import read_metadata
+from timm_layerscale.checkpoints.read.dcp.schema import LIMITS, Work
+from timm_layerscale.checkpoints.read.reader import open_checkpoint
 from timm_layerscale.convert import convert_checkpoint
 from timm_ls.main import main
 
@@ -97,6 +103,7 @@ CONFIG_CASES = {
     "timm pretrained cfg a list": ("timm", setting("pretrained_cfg", [1]), "pretrained_cfg: got a list"),
     "native width as text": ("native", setting("model_args", "embed_dim", "64"), "model_args: embed_dim: got '64'"),
     "native a million blocks": ("native", setting("model_args", "depth", 10**6), "model_args: depth: got 1000000"),
+    "native init per block of 2000": ("native", setting("model_args", "init_values", [0.5] * 2000), "model_args: init"),
     "native init 900 deep": ("native", setting("model_args", "init_values", json.loads(DEEP)), "init_values"),
     "native deeper than JSON": ("native", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "is not valid JSON"),
 }
@@ -219,7 +226,7 @@ def test_a_crafted_block_index_is_one_line(index, message, sources, tmp_path, ca
 
 def test_a_float_weight_stored_as_integers_is_refused(sources, tmp_path, capsys):
     tensors = load_file(sources["weights"])
-    tensors["blocks.0.norm1.weight"] = tensors["blocks.0.norm1.weight"].view(dtype=__import__("torch").int32)
+    tensors["blocks.0.norm1.weight"] = tensors["blocks.0.norm1.weight"].view(dtype=torch.int32)
     save_file(tensors, tmp_path / "i32.safetensors")
     argv = ["convert", str(tmp_path / "i32.safetensors"), str(tmp_path / "out"), "--to", "native", *TINY_KWARGS]
     assert main(argv) == 2
@@ -235,7 +242,7 @@ def test_a_header_of_many_entries_is_refused_by_its_count(tmp_path, capsys):
     path = tmp_path / "many.safetensors"
     path.write_bytes(len(raw).to_bytes(8, "little") + raw)
     code, err, took = answer(["convert", str(path), str(tmp_path / "out"), "--to", "native"], capsys)
-    assert code == 2 and "lists 200000 tensors, more than any checkpoint of these models holds (65536)" in err
+    assert code == 2 and "lists 200000 tensors, more than any checkpoint of these models holds (16384)" in err
     assert took < 3.0, f"{took:.1f} s"
 
 
@@ -314,3 +321,28 @@ def test_fuzzed_configs_yaml_and_keys_end_in_a_read_or_one_line(sources, tmp_pat
     assert time.perf_counter() - start < 40
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024
     assert grown < 1024, f"peak memory grew by {grown:.0f} MB"
+
+
+def test_dcp_metadata_of_many_items_is_refused_as_its_mapping_fills(tmp_path):
+    """20,000 zero-size tensors: refused by their count while unpickling, not after the whole file."""
+    item = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([0]), [])
+    items = {f"model.k{i}": item for i in range(20_000)}
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=items, storage_data={})))
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match="lists more than the 16384 items any checkpoint holds"):
+        open_checkpoint(folder)
+    assert time.perf_counter() - start < 3.0
+
+
+def test_dcp_metadata_unpickling_is_bounded_by_the_files_size(tmp_path):
+    """2 MB of EMPTY_SET opcodes (one byte, a 216-byte set each): refused once they would take more than the
+    file's bound, 48 bytes per byte here (91 MiB), not the 700 MB they ask for."""
+    folder = tmp_path / "dcp"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"\x80\x04" + b"\x8f" * 2_000_000 + b".")
+    work = Work()
+    with pytest.raises(CheckpointError, match="makes objects taking over 91 MiB from 2000003 bytes"):
+        read_metadata(folder, work=work)
+    assert work.memory <= LIMITS.memory_per_byte * 2_000_003 + 1024

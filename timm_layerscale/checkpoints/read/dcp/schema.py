@@ -55,7 +55,7 @@ class Limits:
     size_value: int = 1 << 61
     # Items of `state_dict_metadata` (a 7B's model, EMA and optimizer states: some 5000) and chunks: all tensors
     # together, and of one tensor (one per rank).
-    keys: int = 1 << 16
+    keys: int = 1 << 14
     chunks: int = 1 << 24
     chunks_per_tensor: int = 1 << 16
     # Pairs of chunks compared to prove that none overlap, per chunk: a sweep along the most divided

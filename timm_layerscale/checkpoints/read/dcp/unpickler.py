@@ -91,6 +91,8 @@ def _never(what: str) -> Refused:
 # Memory per object made beyond its own size (its `_Made`, its slot in `_made` and on the stack), and per item
 # put into a container (a dict's slot and its share of the table's growth).
 _BOOKKEEPING = 160
+# A dataclass's state is a name-keyed mapping too: Metadata's has 5 fields.
+_MOST_FIELDS = 16
 _ITEM_BYTES = 48
 
 
@@ -253,6 +255,12 @@ class MetadataUnpickler(pickle._Unpickler):
             elif type(key) is not self._index_class or not self._is_set_index(key):
                 raise _never(f"uses {_named(key)} as a key or set element")
 
+    def _check_names(self, target: dict, key: Any) -> None:
+        """A mapping keyed by names (`state_dict_metadata`, `planner_data`) holds one item per state dict key:
+        refused by its count as it fills, not after the whole file is unpickled."""
+        if type(key) is str and len(target) > self.limits.keys + _MOST_FIELDS:  # the schema counts exactly
+            raise Refused(f"lists more than the {self.limits.keys} items any checkpoint holds (nothing was run)")
+
     def _is_set_index(self, index: Any) -> bool:
         # Only BUILD sets fields (once, before the index can be inside anything), and only REDUCE makes a
         # torch.Size (of ints checked there).
@@ -324,12 +332,15 @@ class MetadataUnpickler(pickle._Unpickler):
         target = self._target(dict, "sets an item of", [key, value])
         self._check_keys((key,))
         target[key] = value
+        self._check_names(target, key)
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
         target = self._target(dict, "sets items of", items)
         self._check_keys(items[::2])
         target.update(zip(items[::2], items[1::2]))
+        if items:
+            self._check_names(target, items[0])
 
     def load_append(self) -> None:
         value = self.stack.pop()
