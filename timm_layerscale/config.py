@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from timm_ls.plain_yaml import load_text
 
 FFN_LAYERS = ("mlp", "swiglu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
@@ -44,31 +47,71 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if _is_int(value):  # exact at any size (math.isfinite overflows on an int beyond a float)
+        return True
+    return isinstance(value, float) and math.isfinite(value)
+
+
+# The largest values a config may have: far above DINOv3's 7B (4096 wide, 40 deep, 32 heads, 4 storage tokens)
+# and any model a machine could hold, so that no value given (a file, a YAML, --model-kwargs, a block index in
+# a key) makes the process build or allocate in proportion to it before it is refused.
+MAX_DEPTH = 1024
+MAX_WIDTH = 65536
+MAX_HEADS = 1024
+MAX_TOKENS = 1024  # storage tokens
+MAX_CLASSES = 1 << 20
+MAX_RATIO = 64.0  # FFN hidden width per embed_dim
+MAX_SIDE = 65536  # pixels of an image side
+MAX_PATCH = 1024
+MAX_CHANNELS = 1024
+
+
+def int_in(low: int, high: int) -> Rule:
+    """An integer (never a bool) in [low, high]."""
+    return Rule(lambda v: _is_int(v) and low <= v <= high, f"an integer in [{low}, {high}]")
+
+
+def number_in(low: float, high: float, low_open: bool = True) -> Rule:
+    """A finite number (never a bool) above `low` (or at it, with `low_open=False`) and at most `high`."""
+    bracket = "(" if low_open else "["
+
+    def check(v: Any) -> bool:
+        return _is_number(v) and (v > low if low_open else v >= low) and v <= high
+
+    return Rule(check, f"a number in {bracket}{low:g}, {high:g}]")
 
 
 def _is_size(value: Any) -> bool:
     if _is_int(value):
-        return value > 0
-    return isinstance(value, Sequence) and len(value) == 2 and all(_is_int(s) and s > 0 for s in value)
+        return 0 < value <= MAX_SIDE
+    return isinstance(value, Sequence) and len(value) == 2 and all(_is_int(s) and 0 < s <= MAX_SIDE for s in value)
 
 
-POSITIVE_INT = Rule(lambda v: _is_int(v) and v > 0, "a positive integer")
-COUNT = Rule(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
 POSITIVE = Rule(lambda v: _is_number(v) and v > 0, "a positive number")
 RATE = Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)")
 SWITCH = Rule(lambda v: isinstance(v, bool), "true or false")
-SIZE = Rule(_is_size, "a positive integer or a pair of them")
+SIZE = Rule(_is_size, f"an integer in [1, {MAX_SIDE}] or a pair of them")
 SHIFT = Rule(lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0")
 SCALE = Rule(lambda v: v is None or (_is_number(v) and v >= 1), "null or a number >= 1")
-ANY = Rule(lambda v: True, "")  # checked by its own resolver (init_values)
+_INIT_VALUES_ALLOWED = (
+    "a positive number, 0 / 'off' / false / null (LayerScale off), 'auto' (CaiT's depth rule), "
+    "a mapping {attn: ..., mlp: ...} of those, or a list with one such entry per block"
+)
+# Its shape as given: scalars, {attn, mlp} mappings of them, or a list of those no longer than the deepest
+# model (its length against depth, and each value, are checked when resolved).
+INIT_VALUES = Rule(lambda v: _is_init_values(v), _INIT_VALUES_ALLOWED)
 KV_HEADS = Rule(
     lambda v: (
         v is None
-        or (_is_int(v) and v > 0)
-        or (isinstance(v, Sequence) and not isinstance(v, str) and all(_is_int(h) and h > 0 for h in v))
+        or (_is_int(v) and 0 < v <= MAX_HEADS)
+        or (
+            isinstance(v, Sequence)
+            and not isinstance(v, str)
+            and len(v) <= MAX_DEPTH
+            and all(_is_int(h) and 0 < h <= MAX_HEADS for h in v)
+        )
     ),
-    "null (every head), a positive integer, or a list with one positive integer per block",
+    f"null (every head), an integer in [1, {MAX_HEADS}], or a list with one such integer per block",
 )
 
 
@@ -85,9 +128,9 @@ def knob(default: Any, rule: Rule) -> Any:
 class VitLsConfig:
     # Input and tokens
     img_size: int | tuple[int, int] = knob(224, SIZE)
-    patch_size: int = knob(16, POSITIVE_INT)
-    in_chans: int = knob(3, POSITIVE_INT)
-    num_storage_tokens: int = knob(4, COUNT)
+    patch_size: int = knob(16, int_in(1, MAX_PATCH))
+    in_chans: int = knob(3, int_in(1, MAX_CHANNELS))
+    num_storage_tokens: int = knob(4, int_in(0, MAX_TOKENS))
     mask_token: bool = knob(True, SWITCH)  # the token masked patches take (DINOv3's iBOT); Sapiens2 has none
     dynamic_img_size: bool = knob(True, SWITCH)
     dynamic_img_pad: bool = knob(False, SWITCH)  # False: a side that is not a multiple of patch_size is an error
@@ -96,23 +139,23 @@ class VitLsConfig:
     patchify_channels_last: bool = knob(True, SWITCH)  # (P, P, C); False: (C, P, P), --naflex-patchify-channels-first
     enable_patch_interpolator: bool = knob(True, SWITCH)  # patches of another size resample the embedding (FlexiViT)
     # Trunk
-    embed_dim: int = knob(768, POSITIVE_INT)
-    depth: int = knob(12, POSITIVE_INT)
-    num_heads: int = knob(12, POSITIVE_INT)
+    embed_dim: int = knob(768, int_in(1, MAX_WIDTH))
+    depth: int = knob(12, int_in(1, MAX_DEPTH))
+    num_heads: int = knob(12, int_in(1, MAX_HEADS))
     # Grouped-query attention: k/v heads per block (null: num_heads), one int for all or one per block (as eva)
     num_kv_heads: int | list[int] | None = knob(None, KV_HEADS)
     qk_norm: bool = knob(False, SWITCH)  # a norm (norm_layer) over each head's q and k, before RoPE (Sapiens2)
     norm_layer: str = knob("layernorm", one_of(NORM_LAYERS))  # block norms, output norms and qk_norm
     ffn_layer: str = knob("mlp", one_of(FFN_LAYERS))  # "mlp" (GELU) or "swiglu"
-    ffn_ratio: float = knob(4.0, POSITIVE)
-    swiglu_align_to: int = knob(8, POSITIVE_INT)
+    ffn_ratio: float = knob(4.0, number_in(0, MAX_RATIO))
+    swiglu_align_to: int = knob(8, int_in(1, MAX_WIDTH))
     qkv_bias: bool = knob(True, SWITCH)
     mask_k_bias: bool = knob(True, SWITCH)  # the k third of the qkv bias is multiplied by a (loaded) mask
     proj_bias: bool = knob(True, SWITCH)
     ffn_bias: bool = knob(True, SWITCH)
     norm_eps: float = knob(1e-5, POSITIVE)
     # LayerScale: float, 0/"off"/None, "auto", {attn, mlp}, or a per-block list of those
-    init_values: Any = knob(1e-5, ANY)
+    init_values: Any = knob(1e-5, INIT_VALUES)
     # Rotary position embedding
     rope_base: float = knob(100.0, POSITIVE)
     rope_normalize_coords: str = knob("separate", one_of(NORMALIZE_COORDS))
@@ -126,7 +169,7 @@ class VitLsConfig:
     cls_norm: bool = knob(False, SWITCH)  # untied norms: `cls_norm` for cls + storage tokens, `norm` for patches
     local_cls_norm: bool = knob(False, SWITCH)  # carried by SAT-L and 7B checkpoints; unused outside local crops
     # Head and regularisation
-    num_classes: int = knob(1000, COUNT)
+    num_classes: int = knob(1000, int_in(0, MAX_CLASSES))
     global_pool: str = knob("token", one_of(GLOBAL_POOLS))
     drop_rate: float = knob(0.0, RATE)
     proj_drop_rate: float = knob(0.0, RATE)
@@ -157,18 +200,26 @@ class VitLsConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> VitLsConfig:
-        unknown = sorted(set(values) - set(cls.field_names()))
+        unknown = sorted(map(str, set(values) - set(cls.field_names())))
         if unknown:
             raise UnknownConfigKeyError(
-                f"{source}: unknown config key(s) {', '.join(map(repr, unknown))}; "
+                f"{source}: unknown config key(s) {', '.join(map(shown, unknown))}; "
                 f"allowed: {', '.join(cls.field_names())}"
             )
         try:
-            return cls(**{k: parse_scalar(v) for k, v in values.items()})
+            return cls(**{k: parse_word(v) for k, v in values.items()})
         except ValueError as error:
             if source == "config":
                 raise
             raise ValueError(f"{source}: {error}") from None
+
+    @classmethod
+    def check_value(cls, name: str, value: Any, source: str = "config", named: str = "") -> None:
+        """One value a file gives for field `name`, checked by the field's rule as it is (a width written as
+        text is refused, not converted), before anything is computed or built from it."""
+        rule = next((f.metadata.get("rule") for f in dataclasses.fields(cls) if f.name == name), None)
+        if rule is not None and not rule.check(value):
+            raise ValueError(f"{source}: {named or name}: got {shown(value)}; allowed: {rule.allowed}")
 
     def replace(self, **overrides: Any) -> VitLsConfig:
         values = {name: getattr(self, name) for name in self.field_names()}
@@ -260,9 +311,26 @@ def _multiples_below(size: int | Sequence[int], multiple: int) -> int | tuple[in
     return tuple(max(side // multiple, 1) * multiple for side in size)
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 3, 60, 40, 60
+
+
+def shown(value: Any) -> str:
+    """A value as an error line shows it: bounded, however long or deep it is."""
+    return _SHOWN.repr(value)
+
+
 def _require(name: str, value: Any, ok: bool, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name}: got {value!r}; allowed: {allowed}")
+        raise ValueError(f"{name}: got {shown(value)}; allowed: {allowed}")
+
+
+def parse_word(value: Any) -> Any:
+    """The words a command line spells booleans and null with (`--model-kwargs qkv_bias=false`, as timm's train.py
+    passes them on) as those; a number spelled as text stays text, for its field's rule to refuse by name."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "none", "null"):
+        return parse_scalar(value)
+    return value
 
 
 def parse_scalar(value: Any) -> Any:
@@ -293,12 +361,6 @@ def cait_init_value(depth: int) -> float:
     return 1e-6
 
 
-_INIT_VALUES_ALLOWED = (
-    "a positive number, 0 / 'off' / false / null (LayerScale off), 'auto' (CaiT's depth rule), "
-    "a mapping {attn: ..., mlp: ...} of those, or a list with one such entry per block"
-)
-
-
 def _resolve_scalar(value: Any, depth: int, where: str) -> float | None:
     value = parse_scalar(value)
     if value is None or value is False:
@@ -311,24 +373,33 @@ def _resolve_scalar(value: Any, depth: int, where: str) -> float | None:
             return cait_init_value(depth)
     elif _is_number(value) and value >= 0:
         return None if value == 0 else float(value)
-    raise ValueError(f"{where}: got {value!r}; allowed: {_INIT_VALUES_ALLOWED}")
+    raise ValueError(f"{where}: got {shown(value)}; allowed: {_INIT_VALUES_ALLOWED}")
 
 
 def _resolve_branches(value: Any, depth: int, where: str) -> BranchInit:
     if isinstance(value, Mapping):
         if set(value) != set(BRANCHES):
-            raise ValueError(f"{where}: got keys {sorted(value)}; allowed: exactly {list(BRANCHES)}")
+            raise ValueError(f"{where}: got keys {shown(sorted(map(str, value)))}; allowed: exactly {list(BRANCHES)}")
         return tuple(_resolve_scalar(value[b], depth, f"{where}.{b}") for b in BRANCHES)
     scalar = _resolve_scalar(value, depth, where)
     return scalar, scalar
 
 
+def _is_init_values(value: Any) -> bool:
+    if isinstance(value, str) and value.strip().startswith("["):
+        return True  # a list spelled as text: parsed and checked when resolved
+    entries = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    scalars = (str, int, float, type(None))
+    return len(entries) <= MAX_DEPTH and all(
+        isinstance(e, scalars) or (isinstance(e, Mapping) and all(isinstance(v, scalars) for v in e.values()))
+        for e in entries
+    )  # the values themselves are checked when resolved, each named by its block and branch
+
+
 def resolve_init_values(value: Any, depth: int) -> list[BranchInit]:
     """One (attn, mlp) pair of LayerScale init values per block; `None` means no LayerScale there."""
-    if isinstance(value, str) and value.strip().startswith("["):
-        import yaml  # only for a list spelled as text (train.py's --model-kwargs)
-
-        value = yaml.safe_load(value)
+    if isinstance(value, str) and value.strip().startswith("["):  # a list spelled as text (train.py's --model-kwargs)
+        value = load_text(value, "init_values")
     if isinstance(value, Sequence) and not isinstance(value, str):
         if len(value) != depth:
             raise ValueError(

@@ -26,10 +26,11 @@ from timm.models import get_pretrained_cfg
 from timm_ls.names import is_variant_file
 
 from .checkpoints.errors import CheckpointError
-from .checkpoints.formats import Format, SourceConfig, recognise, source_config
+from .checkpoints.formats import CONFIG_FILE, Format, SourceConfig, recognise, source_config
 from .checkpoints.formats.base import family
 from .checkpoints.mapping.fit import fillable
 from .checkpoints.mapping.gamma_keys import native_gamma_key
+from .checkpoints.mapping.keys import block_count
 from .checkpoints.mapping.plan import PERIODS, Plan, TensorInfo
 from .checkpoints.read.reader import LazyCheckpoint
 from .config import VitLsConfig, resolve_init_values
@@ -90,7 +91,7 @@ def key_args(
     and the variant's value stands (the model fills zero biases, as Meta's released files hold them, and the
     local-crop norm from the norm)."""
     keys = set(native)
-    depth = 1 + max((int(k.split(".")[1]) for k in keys if k.startswith("blocks.")), default=-1)
+    depth = block_count(keys)
 
     def has(arg: str, *names: str) -> bool:
         return bool(set(names) & keys) or (arg in unheld and bool(base.get(arg, VitLsConfig.default(arg))))
@@ -317,7 +318,10 @@ def identify_checkpoint(
 
 def recorded_config(ckpt: LazyCheckpoint) -> SourceConfig | None:
     """What a checkpoint records of its model: its folder's config.json, else what train.py saved in it."""
-    if ckpt.hub_config:
-        return source_config(ckpt.hub_config)
-    found = source_config(ckpt.recorded) if ckpt.recorded else None
+    try:
+        if ckpt.hub_config:
+            return source_config(ckpt.hub_config, str(ckpt.path / CONFIG_FILE))
+        found = source_config(ckpt.recorded, f"{ckpt.path} (train.py's args)") if ckpt.recorded else None
+    except ValueError as exc:  # a value of the wrong type or beyond any machine: named with its file
+        raise CheckpointError(f"{exc}; fix or remove the value") from None
     return dataclasses.replace(found, origin="the checkpoint (train.py's args)") if found else None

@@ -15,13 +15,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import yaml
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from timm_ls import paths
+from timm_ls.plain_yaml import load_file
 
 from .config import VitLsConfig, feature_layers
 from .hub import OFFICIAL_SUFFIX
@@ -90,12 +90,13 @@ def load_variant(source: str | Path | dict[str, Any], name: str | None = None) -
         path = Path(source)
         if not path.is_file():
             raise ValueError(f"variant file {path} does not exist; pass the path of a YAML variant file")
-        data, where, name = yaml.safe_load(path.read_text()) or {}, str(path), name or path.stem
+        data, where, name = load_file(path) or {}, str(path), name or path.stem
     if not name or not isinstance(data, dict):
         raise ValueError(f"{where}: a variant needs a name and a mapping with keys {TOP_LEVEL_KEYS}")
     unknown = sorted(set(data) - set(TOP_LEVEL_KEYS))
     if unknown:
         raise ValueError(f"{where}: unknown key(s) {unknown}; allowed: {list(TOP_LEVEL_KEYS)}")
+    _check_shapes(data, where)
     model_args, tags = {}, {}
     if data.get("base"):
         if data["base"] not in VARIANTS:
@@ -113,6 +114,29 @@ def load_variant(source: str | Path | dict[str, Any], name: str | None = None) -
     for tag in ("", *tags):  # every tag's architecture must be valid now, not at first use
         VitLsConfig.from_dict({**model_args, **variant.tag_model_args(tag)}, source=where)
     return variant
+
+
+def _check_shapes(data: dict[str, Any], where: str) -> None:
+    """Each top-level key holds what it names: text, a registered name, a mapping of fields, of tags."""
+    for key, kind, what in (
+        ("description", str, "text"),
+        ("base", str, "a registered variant's name"),
+        ("model", dict, "a mapping of config fields"),
+        ("pretrained", dict, "a mapping of tags"),
+    ):
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            raise ValueError(f"{where}: {key}: got a {type(data[key]).__name__}; allowed: {what}")
+    for tag, cfg in (data.get("pretrained") or {}).items():
+        if not isinstance(tag, str) or not isinstance(cfg, (dict, type(None))):
+            raise ValueError(f"{where}: pretrained: {tag!r} is not a tag name with a mapping of its pretrained cfg")
+        if cfg and cfg.get("model") is not None and not isinstance(cfg["model"], dict):
+            raise ValueError(
+                f"{where}: pretrained.{tag}.model: got a {type(cfg['model']).__name__}; allowed: a mapping"
+            )
+        if any(not isinstance(k, str) for k in (cfg or {})):
+            raise ValueError(f"{where}: pretrained.{tag}: its keys must be names of pretrained cfg fields")
+    if any(not isinstance(k, str) for k in data.get("model") or {}):
+        raise ValueError(f"{where}: model: its keys must be names of config fields")
 
 
 def _requested_tag(variant: Variant, pretrained_cfg: Any) -> str | None:

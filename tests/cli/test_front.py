@@ -143,7 +143,7 @@ def test_a_bad_model_kwargs_value_is_named_by_what_is_allowed(model, tmp_path, c
     )
     args = ["convert", str(tmp_path / "s.safetensors"), str(tmp_path / "out"), "--to", "native", *model]
     assert main([*args, "--model-kwargs", "depth=abc"]) == 2
-    assert "depth: got 'abc'; allowed: a positive integer" in capsys.readouterr().err
+    assert "depth: got 'abc'; allowed: an integer in [1, 1024]" in capsys.readouterr().err
 
 
 def test_the_front_finds_the_shipped_files_where_the_package_is_installed():

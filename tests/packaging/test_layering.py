@@ -22,6 +22,7 @@ LAYERS = (
     ("timm_ls.errors", -1),
     ("timm_ls.paths", -1),
     ("timm_ls.interrupts", -1),
+    ("timm_ls.plain_yaml", -1),
     ("config", 0),
     ("layers", 1),
     ("checkpoints.errors", 2.0),

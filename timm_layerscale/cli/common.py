@@ -13,17 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import timm
-import yaml
 from torch import nn
 
 from timm_ls.errors import CliError
 from timm_ls.names import is_variant_file
 
+from ..config import shown
 from ..hub import HubError, fetch_hub_weights
 from ..variants import VARIANTS, Variant, VariantNameError, find_variant, register_variant, ungated_tag
 
 # The command line's way around the Hub, for the commands that take --checkpoint.
 CHECKPOINT_WAY_OUT = "pass the downloaded file instead with --checkpoint FILE"
+MAX_KWARG_CHARS = 10_000  # a per-block list of 1024 init values fits
 
 
 def count(number: int, noun: str) -> str:
@@ -37,14 +38,20 @@ def warn(message: str) -> None:
 
 
 def parse_model_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    """`key=value` pairs, each value a Python literal (else the text), for the config's rules to check by name."""
     kwargs = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise CliError(f"--model-kwargs: got {item!r}; write each one as key=value, e.g. depth=2")
+            raise CliError(f"--model-kwargs: got {shown(item)}; write each one as key=value, e.g. depth=2")
+        if len(value) > MAX_KWARG_CHARS:
+            raise CliError(
+                f"--model-kwargs: {shown(key)} is {len(value)} characters long; a model argument is a number, a word "
+                f"or a list of at most {MAX_KWARG_CHARS} characters"
+            )
         try:
             kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # text, or nested past the parser
             kwargs[key] = value
     return kwargs
 
@@ -57,12 +64,9 @@ def register_variant_file(name: str) -> Variant:
             f"variant file {path} does not exist; pass the path of a YAML variant file or a registered "
             f"name (`timm-ls list`)"
         )
-    try:
-        with warnings.catch_warnings():  # a file may redefine a shipped variant: that is what the user asked
-            warnings.simplefilter("ignore")
-            return VARIANTS[register_variant(path)]
-    except yaml.YAMLError as exc:
-        raise CliError(f"{path} is not valid YAML ({' '.join(str(exc).split())}); fix the file") from None
+    with warnings.catch_warnings():  # a file may redefine a shipped variant: that is what the user asked
+        warnings.simplefilter("ignore")
+        return VARIANTS[register_variant(path)]
 
 
 def resolve_variant(name: str) -> tuple[Variant, str | None]:

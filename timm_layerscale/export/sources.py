@@ -16,6 +16,7 @@ from torch import nn
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError, Fitted, open_checkpoint, plan_load
+from ..checkpoints.mapping.keys import block_index
 from ..checkpoints.mapping.plan import Plan, passthrough
 from ..config import VitLsConfig
 from ..identity import identify_checkpoint
@@ -46,7 +47,7 @@ class Source:
 
 def first_blocks(native: Plan, depth: int) -> Plan:
     """The native plan without blocks from `depth` on."""
-    kept = [k for k in native if not (k.startswith("blocks.") and int(k.split(".")[1]) >= depth)]
+    kept = [k for k in native if (block_index(k) or 0) < depth]
     return Plan(native, passthrough(kept)) if len(kept) < len(native) else native
 
 

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from timm_ls import paths
+from timm_ls.plain_yaml import load_file
 
 from ..config import parse_scalar
 from .shapes import ShapesSpec
@@ -96,10 +95,7 @@ def load_experiment(path: str | Path) -> Experiment:
         raise ValueError(
             f"experiment file {path} does not exist; pass a YAML file like {experiments_dir() / 'ablate.yaml'}"
         )
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path} is not valid YAML ({' '.join(str(exc).split())})") from None
+    raw = load_file(path) or {}
     where = str(path)
     if not isinstance(raw, dict) or "variant" not in raw:
         raise ValueError(

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..checkpoints.mapping.gamma_keys import SPELLING_PATTERNS
+from ..checkpoints.mapping.keys import block_index
 from ..config import BRANCHES
 
 MUTED_BELOW = 1e-3
@@ -67,7 +68,8 @@ def find_gamma_keys(keys: list[str]) -> tuple[dict[tuple[str, int], dict[str, st
         match = BLOCK_KEY.match(key)
         if match is None:
             continue
-        stack, index = match["stack"], int(match["index"])
+        stack = match["stack"]
+        index = block_index(key, f"{stack}.")
         blocks.setdefault(stack, set()).add(index)
         for spelling, pattern in SPELLING_PATTERNS.items():
             if branch := pattern.fullmatch(match["rest"]):

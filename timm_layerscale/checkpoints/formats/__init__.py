@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from .base import CONFIG_FILE, WEIGHTS_FILE, Format, Job, SourceConfig, WritePlan
 from .foreign import foreign_family
 from .hf import HF
-from .meta import META
+from .meta import META, native_keys
 from .meta_train import META_TRAIN
 from .native import NATIVE
 from .sapiens2 import SAPIENS2
@@ -94,6 +94,9 @@ def recognise(source: Mapping[str, torch.Tensor]) -> Format:
     if foreign:
         raise CheckpointError(foreign)
     keys = list(source)
+    config = getattr(source, "hub_config", None)
+    if isinstance(config, Mapping) and NATIVE.names_config(config) and native_keys(keys):
+        return NATIVE  # this package's folder, written without a head (num_classes=0): Meta's keys, our config
     added = [candidate for name, candidate in FORMATS.items() if name not in SHIPPED_RECOGNITION]
     for candidate in (*added, *(FORMATS[name] for name in SHIPPED_RECOGNITION)):
         if candidate.recognise(keys):
@@ -104,10 +107,10 @@ def recognise(source: Mapping[str, torch.Tensor]) -> Format:
     )
 
 
-def source_config(cfg: Mapping[str, Any] | None) -> SourceConfig | None:
+def source_config(cfg: Mapping[str, Any] | None, where: str = CONFIG_FILE) -> SourceConfig | None:
     """What a config.json beside a checkpoint says of its model, read by the format it belongs to."""
     for candidate in FORMATS.values():
-        found = candidate.read_config(cfg or {}) if cfg else None
+        found = candidate.read_config(cfg or {}, where) if cfg else None
         if found is not None:
             return found
     return None

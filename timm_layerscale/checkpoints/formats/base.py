@@ -19,7 +19,7 @@ import torch
 from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
-from ...config import VitLsConfig
+from ...config import MAX_RATIO, MAX_WIDTH, Rule, VitLsConfig, int_in, number_in, shown
 from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name, native_gamma_key
@@ -96,8 +96,9 @@ class Format:
         """Whether a checkpoint with these keys is in this format (the registry asks in its order)."""
         return False
 
-    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
-        """The model args of a config.json of this format travelling with the weights, or None if it is not one."""
+    def read_config(self, cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> SourceConfig | None:
+        """The model args of a config.json of this format travelling with the weights, or None if it is not one;
+        a value of the wrong type or beyond any machine is one `ValueError` line starting with `where`."""
         return None
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -130,22 +131,49 @@ class Format:
 class ConfigField:
     """One field of a format's config and the model arg it is: read and written through the same row.
 
-    `ours` names a field of `VitLsConfig` holding the same value; a derived field instead gives `write`
-    (config -> their value) and `read` (their whole config -> our args).
+    `ours` names a field of `VitLsConfig` holding the same value (and checked by its rule); a derived field
+    instead gives `write` (config -> their value), `read` (their whole config -> our args) and the `rule` its
+    value is checked by before any is read.
     """
 
     theirs: str
     ours: str = ""
     write: Callable[[VitLsConfig], Any] | None = None
     read: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
+    rule: Rule | None = None
 
 
-def read_fields(fields: Sequence[ConfigField], cfg: Mapping[str, Any]) -> dict[str, Any]:
+# What derived fields allow: a hidden width up to the widest FFN a config may have, a ratio, a switch.
+HIDDEN_WIDTH = int_in(1, int(MAX_WIDTH * MAX_RATIO))
+RATIO = number_in(0, MAX_RATIO)
+ALIGNMENT = int_in(0, MAX_WIDTH)  # 0: not a SwiGLU
+
+
+def read_fields(fields: Sequence[ConfigField], cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """Our args from a format's config, every value present checked by its row's rule first (the one checked
+    path: a value of the wrong type or beyond any machine is refused by name before anything is computed)."""
+    for f in fields:
+        if f.theirs not in cfg:
+            continue
+        if f.rule is not None and not f.rule.check(cfg[f.theirs]):
+            raise ValueError(f"{where}: {f.theirs}: got {shown(cfg[f.theirs])}; allowed: {f.rule.allowed}")
+        if f.rule is None and f.ours:
+            VitLsConfig.check_value(
+                f.ours, cfg[f.theirs], where, f.theirs if f.theirs == f.ours else f"{f.theirs} ({f.ours})"
+            )
     args: dict[str, Any] = {}
     for f in fields:
         if f.theirs in cfg:
             args.update(f.read(cfg) if f.read else {f.ours: cfg[f.theirs]} if f.ours else {})
     return args
+
+
+def pretrained_cfg_of(cfg: Mapping[str, Any], where: str = "config.json") -> dict[str, Any]:
+    """A config's `pretrained_cfg`: a mapping, or one line saying it is not one."""
+    found = cfg.get("pretrained_cfg") or {}
+    if not isinstance(found, Mapping):
+        raise ValueError(f"{where}: pretrained_cfg: got a {type(found).__name__}; allowed: a mapping")
+    return dict(found)
 
 
 def write_fields(fields: Sequence[ConfigField], config: VitLsConfig) -> dict[str, Any]:

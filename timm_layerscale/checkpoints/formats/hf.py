@@ -17,7 +17,7 @@ import torch
 
 from timm_ls.names import HF_SPEC
 
-from ...config import VitLsConfig
+from ...config import MAX_DEPTH, MAX_HEADS, SWITCH, VitLsConfig, int_in, shown
 from ...layers import effective_qkv_bias, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
@@ -25,6 +25,7 @@ from ..mapping.keys import KeyTable, row
 from ..write.writers import Progress, write_sharded_safetensors, write_text
 from .base import (
     CONFIG_FILE,
+    HIDDEN_WIDTH,
     ConfigField,
     Format,
     Job,
@@ -120,11 +121,11 @@ def _first_init_value(config: VitLsConfig) -> float:
 # config.json <-> model args, both ways. Fields the model fixes are written from the model (`write` only).
 CONFIG_FIELDS = (
     ConfigField("hidden_size", "embed_dim"),
-    ConfigField("intermediate_size", write=hidden_features, read=_ffn_args),
+    ConfigField("intermediate_size", write=hidden_features, read=_ffn_args, rule=HIDDEN_WIDTH),
     ConfigField("num_hidden_layers", "depth"),
     ConfigField("num_attention_heads", "num_heads"),
     ConfigField("hidden_act", write=lambda c: "silu" if c.ffn_layer == "swiglu" else "gelu"),
-    ConfigField("use_gated_mlp", write=lambda c: c.ffn_layer == "swiglu"),
+    ConfigField("use_gated_mlp", write=lambda c: c.ffn_layer == "swiglu", rule=SWITCH),
     ConfigField("layer_norm_eps", "norm_eps"),
     ConfigField("rope_theta", "rope_base"),
     ConfigField("image_size", "img_size"),
@@ -161,12 +162,23 @@ SAPIENS2_FIELDS = (
 SAPIENS2_FIXED = {"norm_layer": "rmsnorm", "ffn_layer": "swiglu", "mask_k_bias": False}
 
 
-def _sapiens2_args(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    args = {**read_fields(SAPIENS2_FIELDS, cfg), **SAPIENS2_FIXED}
+# transformers' Sapiens2Config fields for its default k/v pattern, read only where no per-layer list is given.
+SAPIENS2_PATTERN = (
+    ConfigField("num_key_value_attention_heads", rule=int_in(1, MAX_HEADS)),
+    ConfigField("num_first_full_attention_layers", rule=int_in(0, MAX_DEPTH)),
+    ConfigField("num_last_full_attention_layers", rule=int_in(0, MAX_DEPTH)),
+)
+
+
+def _sapiens2_args(cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> dict[str, Any]:
+    args = {**read_fields((*SAPIENS2_FIELDS, *SAPIENS2_PATTERN), cfg, where), **SAPIENS2_FIXED}
     dim = args.get("embed_dim", 1024)
-    args.update(ffn_args(dim, cfg.get("intermediate_size", 4 * dim), True))
-    if "num_key_value_heads_per_layer" not in cfg:  # transformers' own default pattern
-        heads, depth = cfg.get("num_attention_heads", 16), cfg.get("num_hidden_layers", 24)
+    hidden = cfg.get("intermediate_size", 4 * dim)
+    if not HIDDEN_WIDTH.check(hidden):
+        raise ValueError(f"{where}: intermediate_size: got {shown(hidden)}; allowed: {HIDDEN_WIDTH.allowed}")
+    args.update(ffn_args(dim, hidden, True))
+    if "num_key_value_heads_per_layer" not in cfg:  # transformers' own default pattern, from checked values
+        heads, depth = args.get("num_heads", 16), args.get("depth", 24)
         kv = cfg.get("num_key_value_attention_heads", 8)
         first, last = cfg.get("num_first_full_attention_layers", 8), cfg.get("num_last_full_attention_layers", 8)
         args["num_kv_heads"] = [heads if i < first or i >= depth - last else kv for i in range(depth)]
@@ -219,12 +231,12 @@ class HuggingFace(Format):
         lambda1 = f".{gamma_name(SPELLING, 1)}"
         return any(k.startswith(("embeddings.", "layer.", "model.layer.")) or lambda1 in k for k in keys)
 
-    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
+    def read_config(self, cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> SourceConfig | None:
         if cfg.get("model_type") == "sapiens2":
-            return SourceConfig(_sapiens2_args(cfg))
+            return SourceConfig(_sapiens2_args(cfg, where))
         if cfg.get("model_type") != "dinov3_vit":
             return None
-        args = read_fields(CONFIG_FIELDS, cfg)
+        args = read_fields(CONFIG_FIELDS, cfg, where)
         args.setdefault("embed_dim", 384)
         if "intermediate_size" not in cfg:
             args.update(_ffn_args({**cfg, "intermediate_size": args["embed_dim"] * 4}))

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
+from timm_ls import plain_yaml
 from timm_ls.names import META_TRAIN_SPEC
 
 from ...config import BRANCHES, VitLsConfig
@@ -105,8 +105,8 @@ def heads_from_config(path: str | Path) -> MetaHeads:
     """The heads Meta's trainer builds from the training YAML at `path`, merged over Meta's defaults."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        data = plain_yaml.load_file(path)
+    except (OSError, plain_yaml.YamlError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(
             f"--meta-config {path} is not a readable YAML file ({first}); pass Meta's training YAML"

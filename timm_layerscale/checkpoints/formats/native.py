@@ -27,6 +27,7 @@ from .base import (
     WritePlan,
     native_keys,
     pretrained_cfg_fields,
+    pretrained_cfg_of,
 )
 
 Tensor = torch.Tensor
@@ -84,12 +85,18 @@ class Native(Format):
     def recognise(self, keys: Sequence[str]) -> bool:
         return native_keys(keys) and any(key.startswith("head.") for key in keys)
 
-    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
-        if not isinstance(cfg.get("model_args"), dict) or not str(cfg.get("architecture", "")).startswith("vit_ls"):
+    def names_config(self, cfg: Mapping[str, Any]) -> bool:
+        """Whether a config.json is this format's: a vit_ls architecture with its model args."""
+        return isinstance(cfg.get("model_args"), dict) and str(cfg.get("architecture", "")).startswith("vit_ls")
+
+    def read_config(self, cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> SourceConfig | None:
+        if not self.names_config(cfg):
             return None
         fields = set(VitLsConfig.field_names())
         args = {k: v for k, v in cfg["model_args"].items() if k in fields}
-        return SourceConfig(args, dict(cfg.get("pretrained_cfg") or {}), str(cfg["architecture"]))
+        for name, value in args.items():  # as the file gives them, before any is used
+            VitLsConfig.check_value(name, value, f"{where}: model_args")
+        return SourceConfig(args, pretrained_cfg_of(cfg, where), str(cfg["architecture"]))
 
     def plan_write(self, job: Job) -> WritePlan:
         tensors, config = job.tensors, job.config

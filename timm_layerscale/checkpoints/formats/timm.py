@@ -20,7 +20,7 @@ import torch
 
 from timm_ls.names import TIMM_SPEC
 
-from ...config import VitLsConfig
+from ...config import SWITCH, VitLsConfig
 from ...layers import effective_qkv_bias, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
@@ -28,7 +28,9 @@ from ..mapping.keys import KeyTable, row
 from ..mapping.plan import Plan
 from ..write.writers import Progress, write_safetensors, write_text
 from .base import (
+    ALIGNMENT,
     CONFIG_FILE,
+    RATIO,
     WEIGHTS_FILE,
     ConfigField,
     Format,
@@ -42,6 +44,7 @@ from .base import (
     k_bias_blocks,
     not_held_report,
     pretrained_cfg_fields,
+    pretrained_cfg_of,
     read_fields,
     with_all_gammas,
     write_fields,
@@ -181,7 +184,7 @@ TABLE = EvaTables(DINOV3_TABLE, SAPIENS2_TABLE)
 def _ratio_for(hidden: int, dim: int) -> float:
     """A ratio whose `int(dim * ratio)` is exactly `hidden` (how eva sizes its MLP)."""
     ratio = hidden / dim
-    while int(dim * ratio) < hidden:
+    if int(dim * ratio) < hidden:  # one step suffices: hidden / dim is correctly rounded, so within an ulp
         ratio = math.nextafter(ratio, math.inf)
     return ratio
 
@@ -199,9 +202,9 @@ def _ffn_args(args: Mapping[str, Any]) -> dict[str, Any]:
 CONFIG_FIELDS = (
     *(ConfigField(name, name) for name in ("img_size", "patch_size", "in_chans", "num_classes", "global_pool")),
     *(ConfigField(name, name) for name in ("embed_dim", "depth", "num_heads")),
-    ConfigField("mlp_ratio", write=lambda c: _ratio_for(hidden_features(c), c.embed_dim), read=_ffn_args),
-    ConfigField("swiglu_mlp", write=lambda c: c.ffn_layer == "swiglu"),
-    ConfigField("swiglu_align_to", write=lambda c: c.swiglu_align_to if c.ffn_layer == "swiglu" else 0),
+    ConfigField("mlp_ratio", write=lambda c: _ratio_for(hidden_features(c), c.embed_dim), read=_ffn_args, rule=RATIO),
+    ConfigField("swiglu_mlp", write=lambda c: c.ffn_layer == "swiglu", rule=SWITCH),
+    ConfigField("swiglu_align_to", write=lambda c: c.swiglu_align_to if c.ffn_layer == "swiglu" else 0, rule=ALIGNMENT),
     ConfigField("num_reg_tokens", "num_storage_tokens"),
     ConfigField("rope_temperature", "rope_base"),
     ConfigField("dynamic_img_size", "dynamic_img_size"),
@@ -288,15 +291,15 @@ class TimmEva(Format):
         eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")
         return "reg_token" in keys or any(k.endswith(eva_keys) for k in keys)
 
-    def read_config(self, cfg: Mapping[str, Any]) -> SourceConfig | None:
+    def read_config(self, cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> SourceConfig | None:
         ours = {eva: variant for variant, archs in EVA_ARCHITECTURES.items() for eva in archs if eva}
         variant = ours.get(str(cfg.get("architecture")))
         if variant is None:
             return None
         args = cfg.get("model_args")
         return SourceConfig(
-            read_fields(CONFIG_FIELDS, args if isinstance(args, Mapping) else {}),
-            dict(cfg.get("pretrained_cfg") or {}),
+            read_fields(CONFIG_FIELDS, args if isinstance(args, Mapping) else {}, f"{where}: model_args"),
+            pretrained_cfg_of(cfg, where),
             variant,
         )
 

@@ -188,6 +188,13 @@ def _check_complete(plan: Plan, expected: Mapping[str, Tensor], layout: str, nam
                 f"the checkpoint ({layout}) does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
                 f"checkpoint but {list(target.shape)} in the model; build the variant the checkpoint was made for"
             )
+        stored = plan.info(key).dtype
+        if target.dtype.is_floating_point and not stored.is_floating_point:  # a cast would load raw bit patterns
+            raise CheckpointError(
+                f"the checkpoint ({layout}) stores {key} as {str(stored).removeprefix('torch.')}, but {name} holds "
+                f"it in floating point ({str(target.dtype).removeprefix('torch.')}); save the weights as F32, BF16 "
+                f"or F16"
+            )
     extra = [k for k in plan if k not in expected]
     if extra:
         shape = list(plan.info(extra[0]).shape)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ...config import MAX_DEPTH, shown
+from ..errors import CheckpointError
 from .plan import Plan, Step, StepFn, passthrough, same
 
 Tensor = torch.Tensor
@@ -41,6 +43,31 @@ class KeyPattern:
 
     def fill(self, groups: Mapping[str, str]) -> str:
         return self.template.format(**groups)
+
+
+def block_index(key: str, prefix: str = "blocks.") -> int | None:
+    """The block index N of a `{prefix}N.*` key (None for a key outside the blocks), parsed with a bound: an
+    index that is not an integer, or at or beyond the deepest model a config may have, is one line naming the
+    key, before any per-block structure is made from it."""
+    if not key.startswith(prefix):
+        return None
+    text = key[len(prefix) :].partition(".")[0]
+    if not (text.isascii() and text.isdigit()):
+        raise CheckpointError(
+            f"key {shown(key)}: block index {shown(text)} is not an integer; the file's keys are damaged or "
+            f"not a ViT's: save or download it again"
+        )
+    if len(text) > len(str(MAX_DEPTH)) or int(text) >= MAX_DEPTH:
+        raise CheckpointError(
+            f"key {shown(key)}: block index {shown(text)} is beyond the deepest model a config may have "
+            f"({MAX_DEPTH} blocks); the file's keys are damaged: save or download it again"
+        )
+    return int(text)
+
+
+def block_count(keys: Iterable[str], prefix: str = "blocks.") -> int:
+    """1 + the largest block index among `keys` (0 without blocks), each index parsed by `block_index`."""
+    return 1 + max((i for key in keys if (i := block_index(key, prefix)) is not None), default=-1)
 
 
 @dataclass(frozen=True)

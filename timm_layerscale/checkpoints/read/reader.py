@@ -28,6 +28,7 @@ from ..dtypes import torch_dtype, unknown_name_reason
 from ..errors import CheckpointError, reason, torch_load_error
 from ..mapping.plan import TensorInfo
 from . import dcp
+from .bounds import check_count, read_config_json
 from .sniff import PASS_WEIGHTS, sniff
 
 # What a source is: `LazyCheckpoint.kind`.
@@ -221,6 +222,7 @@ def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
 
 def _flat_tree(tree: Any, kind: str, source: str, files: tuple[Path, ...] = ()) -> _Flat:
     flat = dict(_flatten(tree))
+    check_count(len(flat), Path(source))
     if not flat:
         got = type(tree).__name__ + (
             f" with keys {', '.join(map(str, list(tree)[:5]))}" if isinstance(tree, Mapping) and tree else ""
@@ -234,6 +236,7 @@ def _flat_safetensors(path: Path) -> _Flat:
     try:
         handle = safe_open(str(path), framework="pt")
         infos = {}
+        check_count(len(handle.keys()), path)
         for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
             view = handle.get_slice(key)
             infos[key] = TensorInfo(torch.Size(view.get_shape()), _safetensors_dtype(view.get_dtype(), key, path))
@@ -264,6 +267,7 @@ def _flat_safetensors_read(path: Path) -> _Flat:
         except ValueError as exc:
             raise CheckpointError(f"{corrupt} ({reason(exc)}); save or download it again") from exc
     infos, spans = {}, {}
+    check_count(len(header) if isinstance(header, dict) else 0, path)
     for key, entry in header.items() if isinstance(header, dict) else ():
         if key == "__metadata__":
             continue
@@ -358,6 +362,7 @@ def read_index(index: Path) -> dict[str, str]:
 
 def _flat_index(index: Path) -> _Flat:
     weight_map = read_index(index)
+    check_count(len(weight_map), index)
     shards: dict[str, _Flat] = {}
     for name in dict.fromkeys(weight_map.values()):
         shard = index.parent / name
@@ -400,12 +405,7 @@ def _open_folder(folder: Path) -> _Flat:
     if weights is not None:
         flat = _open_file(weights)
         if config_path.is_file():
-            try:
-                flat.hub_config = json.loads(config_path.read_text())
-            except (ValueError, OSError) as exc:
-                raise CheckpointError(f"{config_path} is not valid JSON ({reason(exc)}); download it again") from exc
-            if not isinstance(flat.hub_config, dict):
-                raise CheckpointError(f"{config_path} is not a model config (a JSON object); download it again")
+            flat.hub_config = read_config_json(config_path)
             flat.kind = KIND_HUB_FOLDER
             flat.files = (*flat.files, config_path)
         return flat

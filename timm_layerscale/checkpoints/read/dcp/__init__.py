@@ -3,5 +3,6 @@ allow-listed unpickler (`unpickler`), checked against a schema (`schema`), then 
 """
 
 from .reader import METADATA_FILE, read_metadata, stored_files, tensor_items, tensor_reader
+from .schema import LIMITS
 
-__all__ = ["METADATA_FILE", "read_metadata", "stored_files", "tensor_items", "tensor_reader"]
+__all__ = ["LIMITS", "METADATA_FILE", "read_metadata", "stored_files", "tensor_items", "tensor_reader"]

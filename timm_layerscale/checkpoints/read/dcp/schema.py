@@ -27,8 +27,15 @@ from ...errors import CheckpointError
 class Limits:
     """The bounds of one read of a `.metadata`: what no checkpoint DCP writes comes near."""
 
-    # The file is read whole before unpickling (so a length in it can never make a large buffer).
-    metadata_bytes: int = 1 << 32
+    # The file is read whole before unpickling (so a length in it can never make a large buffer). DCP writes
+    # some 10 bytes of pickle per object (a 7B model with its optimizer on 64 ranks: about 10 MB).
+    metadata_bytes: int = 1 << 26
+    # The memory the objects made take (estimated as they are made: each object's size and its bookkeeping,
+    # each item's slot): at most `memory_per_byte` times the file's size (DCP's own files take about 30; one
+    # opcode of one byte can make a 200-byte set), at least `memory_floor`, and never above `memory`.
+    memory_per_byte: int = 48
+    memory_floor: int = 1 << 26
+    memory: int = 1 << 30
     # DCP nests 9 deep (Metadata, its dicts, a tensor, its chunk list, a chunk, its torch.Size); the hashing
     # and repr of objects recurse in C, and a few hundred thousand levels overflow the C stack.
     depth: int = 32
@@ -46,8 +53,9 @@ class Limits:
     # offsets of a MetadataIndex can be chosen to collide in a dict.
     dims: int = 64
     size_value: int = 1 << 61
-    # Items of `state_dict_metadata` and chunks: all tensors together, and of one tensor (one per rank).
-    keys: int = 1 << 20
+    # Items of `state_dict_metadata` (a 7B's model, EMA and optimizer states: some 5000) and chunks: all tensors
+    # together, and of one tensor (one per rank).
+    keys: int = 1 << 14
     chunks: int = 1 << 24
     chunks_per_tensor: int = 1 << 16
     # Pairs of chunks compared to prove that none overlap, per chunk: a sweep along the most divided
@@ -67,6 +75,7 @@ class Work:
     objects: int = 0  # containers and instances made
     items: int = 0  # elements put into containers
     depth: int = 0  # the deepest nesting made
+    memory: int = 0  # bytes the objects made take, estimated
     chunks: int = 0  # chunks the schema checked
     overlap_checks: int = 0  # pairs of chunks compared
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
+import sys
 import types
 from collections.abc import Callable, Iterable
 from pathlib import PurePosixPath, PureWindowsPath
@@ -85,6 +86,14 @@ def _named(obj: Any) -> str:
 
 def _never(what: str) -> Refused:
     return Refused(f"{what}, which distributed checkpoint metadata never does (nothing was changed)")
+
+
+# Memory per object made beyond its own size (its `_Made`, its slot in `_made` and on the stack), and per item
+# put into a container (a dict's slot and its share of the table's growth).
+_BOOKKEEPING = 160
+# A dataclass's state is a name-keyed mapping too: Metadata's has 5 fields.
+_MOST_FIELDS = 16
+_ITEM_BYTES = 48
 
 
 class _Made:
@@ -159,6 +168,7 @@ class MetadataUnpickler(pickle._Unpickler):
         self.limits = limits
         self.work = work if work is not None else Work()
         self.work.bytes = _size_of(file)
+        self._memory = min(limits.memory, max(limits.memory_floor, limits.memory_per_byte * self.work.bytes))
         self._allowed = _allowed_globals()
         self._calls = _calls(limits)
         self._fields = {cls: {f.name for f in dataclasses.fields(cls)} for cls in dataclasses_allowed()}
@@ -200,14 +210,20 @@ class MetadataUnpickler(pickle._Unpickler):
 
     # ----------------------------------------------------------------------------- depth and counts
 
-    def _count(self, objects: int = 0, items: int = 0) -> None:
+    def _count(self, objects: int = 0, items: int = 0, size: int = 0) -> None:
         work, limits = self.work, self.limits
         work.objects += objects
         work.items += items
+        work.memory += size + objects * _BOOKKEEPING + items * _ITEM_BYTES
         if work.objects > limits.objects or work.items > limits.items:
             raise Refused(
                 f"makes {work.objects} objects holding {work.items} items, more than any distributed checkpoint "
                 f"metadata ({limits.objects} and {limits.items}) (nothing was run)"
+            )
+        if work.memory > self._memory:
+            raise Refused(
+                f"makes objects taking over {self._memory >> 20} MiB from {work.bytes} bytes, more than any "
+                f"distributed checkpoint metadata of its size needs (nothing was run)"
             )
 
     def _nest(self, children: Iterable[Any]) -> int:
@@ -224,7 +240,7 @@ class MetadataUnpickler(pickle._Unpickler):
         return deepest + 1
 
     def _push(self, obj: Any, depth: int, built: bool | None = None) -> None:
-        self._count(objects=1)
+        self._count(objects=1, size=sys.getsizeof(obj))
         self._made[id(obj)] = _Made(obj, depth, built)
         self.append(obj)
 
@@ -238,6 +254,12 @@ class MetadataUnpickler(pickle._Unpickler):
                     raise _never(f"uses a string of {len(key)} characters as a key")
             elif type(key) is not self._index_class or not self._is_set_index(key):
                 raise _never(f"uses {_named(key)} as a key or set element")
+
+    def _check_names(self, target: dict, key: Any) -> None:
+        """A mapping keyed by names (`state_dict_metadata`, `planner_data`) holds one item per state dict key:
+        refused by its count as it fills, not after the whole file is unpickled."""
+        if type(key) is str and len(target) > self.limits.keys + _MOST_FIELDS:  # the schema counts exactly
+            raise Refused(f"lists more than the {self.limits.keys} items any checkpoint holds (nothing was run)")
 
     def _is_set_index(self, index: Any) -> bool:
         # Only BUILD sets fields (once, before the index can be inside anything), and only REDUCE makes a
@@ -310,12 +332,15 @@ class MetadataUnpickler(pickle._Unpickler):
         target = self._target(dict, "sets an item of", [key, value])
         self._check_keys((key,))
         target[key] = value
+        self._check_names(target, key)
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
         target = self._target(dict, "sets items of", items)
         self._check_keys(items[::2])
         target.update(zip(items[::2], items[1::2]))
+        if items:
+            self._check_names(target, items[0])
 
     def load_append(self) -> None:
         value = self.stack.pop()
