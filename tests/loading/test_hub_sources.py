@@ -149,7 +149,7 @@ def test_list_and_readme_show_the_official_tags(capsys: pytest.CaptureFixture[st
 
     assert main(["list"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("vit_ls_large_patch16_dinov3 "))
-    assert row.endswith("  lvd1689m, sat493m, lvd1689m_facebook, sat493m_facebook")
+    assert "  lvd1689m, sat493m, lvd1689m_facebook, sat493m_facebook  dinov3-license" in row
     assert main(["list", "--json"]) == 0
     tags = next(v["tags"] for v in json.loads(capsys.readouterr().out) if v["name"] == "vit_ls_large_patch16_dinov3")
     assert tags["lvd1689m_facebook"] == "facebook/dinov3-vitl16-pretrain-lvd1689m"

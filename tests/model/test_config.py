@@ -240,7 +240,9 @@ def test_bad_yaml_is_refused_at_registration(tmp_path, text, message):
 
 def test_shipped_yaml_is_the_single_source_of_truth():
     shipped = {p.stem for p in timm_layerscale.config_dir().glob("*.yaml")}
-    assert len(shipped) == 7
+    families = {"dinov3": 8, "lingbot": 4, "sapiens2": 5}  # DINOv3's seven shapes and EUPE's ViT-T
+    assert {f: sum(n.endswith(f"_{f}") for n in shipped) for f in families} == families
+    assert len(shipped) == sum(families.values())
     for name in sorted(shipped):  # what other tests registered on the way is not shipped
         variant = timm_layerscale.VARIANTS[name]
         assert variant.source.endswith(f"{name}.yaml")

@@ -123,7 +123,10 @@ class RopeEmbedding(nn.Module):
         # The prefix rows are padded on after sin and cos, not concatenated before: TorchScript's autodiff
         # leaves a list of tensors unguarded, and under inference_mode would save them for backward.
         prefix = (0, 0, self.num_prefix_tokens, 0)
-        sin, cos = F.pad(angles.sin(), prefix), F.pad(angles.cos(), prefix, value=1.0)
+        # torch computes a bf16 sine in fp32 and rounds it, so this is the same; ONNX has no bf16 Sin or Cos.
+        wide = angles.float()
+        sin, cos = wide.sin().to(angles.dtype), wide.cos().to(angles.dtype)
+        sin, cos = F.pad(sin, prefix), F.pad(cos, prefix, value=1.0)
         return torch.cat([-sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
 
 
