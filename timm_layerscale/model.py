@@ -388,7 +388,8 @@ class VisionTransformerLS(nn.Module):
         naflex = read_naflex_batch(batch, cfg)
         x = embed_patches(naflex, proj.weight, proj.bias, cfg.patchify_channels_last, cfg.enable_patch_interpolator)
         x = self._with_prefix(self.patch_embed.norm(x), self._cls_token())
-        coords = naflex_patch_centres(naflex.patch_coord, naflex.patch_valid, self.rope_embed.normalize_coords)
+        rope = self.rope_embed
+        coords = naflex_patch_centres(naflex.patch_coord, naflex.patch_valid, rope.normalize_coords, rope.table_dtype)
         if self.training and self.rope_embed.augments:  # one draw per block, shared by the batch, as Meta's
             ropes = [self.rope_embed.from_coords(coords) for _ in self.blocks]
         else:

@@ -12,10 +12,14 @@ from ..config import NORMALIZE_COORDS
 
 
 def naflex_patch_centres(
-    patch_coord: torch.Tensor, patch_valid: torch.Tensor, normalize_coords: str = "separate"
+    patch_coord: torch.Tensor,
+    patch_valid: torch.Tensor,
+    normalize_coords: str = "separate",
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Patch centres [B, N, 2] (y, x) in fp32, normalised to [-1, 1] over each image's grid as
-    `patch_centre_coords` normalises one grid (`normalize_coords`: per side, or by the longer or shorter)."""
+    """Patch centres [B, N, 2] (y, x) in `dtype` (bf16 for bf16 RoPE, computed in it as the image path does),
+    normalised to [-1, 1] over each image's grid as `patch_centre_coords` normalises one grid
+    (`normalize_coords`: per side, or by the longer or shorter)."""
     if normalize_coords not in NORMALIZE_COORDS:
         raise ValueError(f"normalize_coords: got {normalize_coords!r}; allowed: {NORMALIZE_COORDS}")
     grid = patch_coord.masked_fill(~patch_valid.unsqueeze(-1), 0).amax(dim=1) + 1  # [B, 2]: height, width
@@ -23,7 +27,7 @@ def naflex_patch_centres(
         grid = grid.amax(dim=-1, keepdim=True)
     elif normalize_coords == "min":
         grid = grid.amin(dim=-1, keepdim=True)
-    coords = (patch_coord.to(torch.float32) + 0.5) / grid.to(torch.float32).unsqueeze(1)
+    coords = (patch_coord.to(dtype) + 0.5) / grid.to(dtype).unsqueeze(1)
     return 2.0 * coords - 1.0
 
 

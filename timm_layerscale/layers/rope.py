@@ -111,6 +111,11 @@ class RopeEmbedding(nn.Module):
         """
         return self.from_coords(patch_centre_coords(height, width, self.normalize_coords, self._periods()))
 
+    @property
+    def table_dtype(self) -> torch.dtype:
+        """What coordinates, angles, sin and cos are computed in."""
+        return torch.bfloat16 if self.bf16 else torch.float32
+
     def _periods(self) -> torch.Tensor:
         return self.periods.to(torch.bfloat16) if self.bf16 else self.periods.float()
 
