@@ -124,10 +124,14 @@ def test_native_config_round_trip_keeps_every_field():
     values.update(use_naflex=False, patchify_channels_last=False, enable_patch_interpolator=False)
     values.update(dynamic_img_size=False, dynamic_img_pad=True, drop_rate=0.25, proj_drop_rate=0.375)
     values.update(attn_drop_rate=0.0625, stochastic_depth="sample_drop", strict_layer_scale=True)
+    values.update(mask_token=False, norm_layer="rmsnorm", num_kv_heads=[6, 3, 2], qk_norm=True)
     config = VitLsConfig(**values)
     back = NATIVE.read_config(native_config(config, SMALL, {})).args
     assert back == config.rebuild_args()
-    assert_away_from_defaults(values, set(config.rebuild_args()) - {"swiglu_align_to", "ffn_layer"})
+    # bf16 RoPE needs bf16-rounded periods (their default): it is read back from a config of its own.
+    assert_away_from_defaults(values, set(config.rebuild_args()) - {"swiglu_align_to", "ffn_layer", "rope_dtype"})
+    bf16 = config.replace(rope_dtype="bf16", rope_periods_bf16=True)
+    assert NATIVE.read_config(native_config(bf16, SMALL, {})).args == bf16.rebuild_args()
 
 
 def test_written_pretrained_cfg_names_the_classes_and_not_the_source():
@@ -139,13 +143,16 @@ def test_written_pretrained_cfg_names_the_classes_and_not_the_source():
 @pytest.mark.parametrize(("q", "v", "expected"), [(1, 0, True), (0, 1, True), (0, 0, False), (1, 1, True)])
 def test_eva_qkvb_for_any_non_zero_q_or_v_bias(q, v, expected):
     bias = torch.cat([torch.full((4,), float(q)), torch.full((4,), 3.0), torch.full((4,), float(v))])
-    assert qv_bias({"blocks.0.attn.qkv.bias": bias}, depth=1) is expected
+    config = VitLsConfig(embed_dim=4, num_heads=1, depth=1)
+    assert qv_bias({"blocks.0.attn.qkv.bias": bias}, config) is expected
 
 
-@pytest.mark.parametrize("bf16", [True, False])
-def test_meta_training_yaml_names_the_rope_dtype(bf16):
-    lines = student_lines(VitLsConfig(rope_periods_bf16=bf16), "ckpt.pth", True, False)
-    assert f"  pos_embed_rope_dtype: {'bf16' if bf16 else 'fp32'}" in lines
+@pytest.mark.parametrize(("rope_dtype", "periods_bf16"), [("fp32", True), ("fp32", False), ("bf16", True)])
+def test_meta_training_yaml_names_the_rope_dtype(rope_dtype, periods_bf16):
+    """What RoPE computes in, whatever the stored periods' rounding."""
+    config = VitLsConfig(rope_dtype=rope_dtype, rope_periods_bf16=periods_bf16)
+    lines = student_lines(config, "ckpt.pth", True, False)
+    assert any(line.startswith(f"  pos_embed_rope_dtype: {rope_dtype}  # ") for line in lines), lines
 
 
 def small_native(**kwargs) -> dict[str, torch.Tensor]:
