@@ -27,7 +27,7 @@ from timm_ls.names import is_variant_file
 
 from .checkpoints.errors import CheckpointError
 from .checkpoints.formats import CONFIG_FILE, Format, SourceConfig, recognise, source_config
-from .checkpoints.formats.base import family
+from .checkpoints.formats.base import family, layout_family
 from .checkpoints.mapping.fit import fillable
 from .checkpoints.mapping.gamma_keys import native_gamma_key
 from .checkpoints.mapping.keys import block_count
@@ -173,21 +173,30 @@ def differences(
     return found, distance
 
 
-def _candidates(model: str | None, recorded: SourceConfig | None) -> tuple[dict[str, Variant], str | None, str]:
-    """The variants to choose among, the tag asked for, and why: the caller's `model`, else the variant the
-    checkpoint records, else every variant of the family (today, DINOv3's), ranked by shape."""
+# What the line says of a variant named by the checkpoint (recorded, or nearest) that its weights do not fit.
+RECORDED_MISFIT = "the checkpoint records {name}, whose shapes differ"
+NEAREST_MISFIT = "the checkpoint's shapes match no registered variant; the nearest is {name}"
+
+
+def _candidates(
+    model: str | None, recorded: SourceConfig | None
+) -> tuple[dict[str, Variant], str | None, str, str | None]:
+    """The variants to choose among, the tag asked for, why, and the line for weights that do not fit the one
+    named (None for a variant the caller gives: the load's own checks name the option that differs): the
+    caller's `model`, else the variant the checkpoint records, else every variant, ranked by shape."""
     if model and is_variant_file(model):
         variant = load_variant(model)  # not registered: the written config names a shipped architecture
-        return {variant.name: variant}, None, f"from {model}"
+        return {variant.name: variant}, None, f"from {model}", None
     if model:
         try:
             variant, tag = find_variant(model)
         except VariantNameError as exc:
             raise CheckpointError(str(exc)) from None
-        return {variant.name: variant}, tag, "given"
+        return {variant.name: variant}, tag, "given", None
     if recorded is not None and recorded.architecture in VARIANTS:
-        return {recorded.architecture: VARIANTS[recorded.architecture]}, None, f"recorded in {recorded.origin}"
-    return dict(sorted(VARIANTS.items())), None, "from the shapes"
+        named = {recorded.architecture: VARIANTS[recorded.architecture]}
+        return named, None, f"recorded in {recorded.origin}", RECORDED_MISFIT
+    return dict(sorted(VARIANTS.items())), None, "from the shapes", NEAREST_MISFIT
 
 
 @dataclass(frozen=True)
@@ -220,7 +229,7 @@ def _nearest(variants: Mapping[str, Variant], weights: _Weights, asked: Mapping[
     infos = {k: weights.native.info(k) for k in weights.native}
     ranks, refusals = {}, []
     keyed = key_args(weights.native, {}, weights.unheld)
-    kin = "sapiens2" if keyed["norm_layer"] == "rmsnorm" or keyed["qk_norm"] else "dinov3"
+    kin = layout_family(keyed["norm_layer"], keyed["qk_norm"], "num_kv_heads" in keyed)
     variants = {n: v for n, v in variants.items() if family(v.config) == kin} or variants
     for name, variant in variants.items():
         try:
@@ -248,19 +257,15 @@ def identify(
     name, `NAME.TAG` or a YAML file), the variant the checkpoint records (`source_config.architecture`), the
     nearest by shape. `source_config`'s args, then `model_kwargs`, complete its arguments. Raises
     `CheckpointError` naming the variant and the first key that differs when the weights do not fit it."""
-    variants, tag, reason = _candidates(model, source_config)
+    variants, tag, reason, misfit = _candidates(model, source_config)
     weights = _Weights(native, unheld, fuse_layerscale)
     asked = dict(model_kwargs or {})
     name = _nearest(variants, weights, asked) if len(variants) > 1 else next(iter(variants))
     completing = dict(source_config.args) if source_config else {}
     overrides = {**completing, **asked}
     config = _config(variants[name], tag, weights, overrides)
-    if len(variants) > 1:
-        _refuse_misfit(
-            native, config, name, f"the checkpoint's shapes match no registered variant; the nearest is {name}"
-        )
-    elif reason.startswith("recorded"):  # a variant given is fitted by the load's checks, whose line names the option
-        _refuse_misfit(native, config, name, f"the checkpoint records {name}, whose shapes differ")
+    if misfit is not None:
+        _refuse_misfit(native, config, name, misfit.format(name=name))
     if completing and len(variants) > 1:
         reason += f" and {source_config.origin}"
     listed = " ".join(f"{k}={v}" for k, v in overrides.items())

@@ -180,11 +180,15 @@ def write_fields(fields: Sequence[ConfigField], config: VitLsConfig) -> dict[str
     return {f.theirs: f.write(config) if f.write else getattr(config, f.ours) for f in fields}
 
 
-def family(config: VitLsConfig) -> str:
-    """The family whose layout a model has: "sapiens2" (RMSNorm, qk-norm, grouped k/v) or "dinov3" (DINOv3's,
+def layout_family(norm_layer: str, qk_norm: bool, grouped: bool) -> str:
+    """The family whose layout these make: "sapiens2" (RMSNorm, qk-norm, grouped k/v) or "dinov3" (DINOv3's,
     which EUPE and LingBot-Vision share)."""
-    sapiens2 = config.norm_layer == "rmsnorm" or config.qk_norm or config.grouped_attention
-    return "sapiens2" if sapiens2 else "dinov3"
+    return "sapiens2" if norm_layer == "rmsnorm" or qk_norm or grouped else "dinov3"
+
+
+def family(config: VitLsConfig) -> str:
+    """The family whose layout a model has (`layout_family`)."""
+    return layout_family(config.norm_layer, config.qk_norm, config.grouped_attention)
 
 
 def refuse_family(config: VitLsConfig, holds: str, what: str, instead: str) -> None:
