@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import save_file
-from support import TINY, assert_fp32_close, move_off_init_
+from support import TINY, assert_compiled_matches_eager, move_off_init_
 from timm.data import create_dataset, create_loader, create_transform, resolve_data_config
 from timm.loss import LabelSmoothingCrossEntropy
 from timm.optim import create_optimizer_v2
@@ -218,19 +218,7 @@ def test_bf16_autocast_trains():
 def test_torch_compile_traces_the_whole_model_with_gradients(images):
     """train.py's `--torchcompile`: one graph, no breaks, same loss and gradients as eager."""
     model = move_off_init_(timm.create_model(NAME, num_classes=2, drop_path_rate=0.2, **TINY)).train()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    results = []
-    for run in (model, compiled):
-        torch.manual_seed(0)  # the same DropPath draws
-        loss = run(images).logsumexp(-1).mean()
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
-        model.zero_grad()
-    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
-    assert_fp32_close(compiled_loss, eager_loss)
-    assert eager_grads.keys() == compiled_grads.keys()
-    for name, grad in eager_grads.items():
-        assert_fp32_close(compiled_grads[name], grad, what=name)
+    assert_compiled_matches_eager(model, images)
 
 
 # ------------------------------------------------------------------------------------ timm's data pipeline

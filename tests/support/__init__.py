@@ -121,6 +121,25 @@ def assert_fp32_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float 
     )
 
 
+def assert_compiled_matches_eager(model: nn.Module, images: torch.Tensor) -> dict[str, torch.Tensor]:
+    """train.py's `--torchcompile`: one graph (`fullgraph`), the same loss and gradients as eager, the random
+    draws (DropPath) the same under one seed. Returns eager's gradients by parameter name."""
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    results = []
+    for run in (model, compiled):
+        torch.manual_seed(0)
+        loss = run(images).logsumexp(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        model.zero_grad()
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    assert_fp32_close(compiled_loss, eager_loss)
+    assert eager_grads.keys() == compiled_grads.keys()
+    for name, grad in eager_grads.items():
+        assert_fp32_close(compiled_grads[name], grad, what=name)
+    return eager_grads
+
+
 def swapped_gammas_and_dropped_biases(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """Copies of one of our models with one bug each: a block's ls1/ls2 gammas swapped, or one block bias zeroed."""
     for i, block in enumerate(model.blocks):
