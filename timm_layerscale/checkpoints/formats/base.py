@@ -9,7 +9,7 @@ the format answers with an `WritePlan`: its tensors, how to write them, and what
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,16 +229,17 @@ def with_all_gammas(
     return Plan(tensors, [*passthrough(tensors), *(Step((key,), (), lambda: (ones,)) for key in missing)])
 
 
-def k_bias_blocks(tensors: Mapping[str, Tensor], config: VitLsConfig) -> list[int]:
-    """The blocks whose effective k bias is non-zero (read now: only the few small bias tensors)."""
-    found = []
+def qkv_biases(tensors: Mapping[str, Tensor], config: VitLsConfig) -> Iterator[tuple[int, tuple[Tensor, ...]]]:
+    """Each block's effective (masked) q, k and v biases, read now: only the few small bias tensors."""
     for i in range(config.depth):
         key = f"blocks.{i}.attn.qkv.bias"
         if key in tensors:
-            bias = effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask"))
-            if split_qkv(bias, config.embed_dim)[1].any():
-                found.append(i)
-    return found
+            yield i, split_qkv(effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")), config.embed_dim)
+
+
+def k_bias_blocks(tensors: Mapping[str, Tensor], config: VitLsConfig) -> list[int]:
+    """The blocks whose effective k bias is non-zero."""
+    return [i for i, (_, k, _) in qkv_biases(tensors, config) if k.any()]
 
 
 # ---------------------------------------------------------------------------------- rows formats share

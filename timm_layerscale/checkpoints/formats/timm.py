@@ -45,7 +45,9 @@ from .base import (
     not_held_report,
     pretrained_cfg_fields,
     pretrained_cfg_of,
+    qkv_biases,
     read_fields,
+    split3,
     with_all_gammas,
     write_fields,
 )
@@ -105,10 +107,6 @@ def _native_gamma(branch: int) -> str:
     return "blocks.{i}." + gamma_name(NATIVE_SPELLING, branch)
 
 
-def _split_qkv(qkv: Tensor, *, dim: int, **_) -> tuple[Tensor, ...]:
-    return split_qkv(qkv, dim)
-
-
 def _split_halves(packed: Tensor, **_) -> tuple[Tensor, ...]:
     return packed.chunk(2)
 
@@ -148,7 +146,7 @@ SAPIENS2_TABLE = KeyTable(
         row("storage_tokens", "reg_token"),
         row("patch_embed.proj.{p}", "patch_embed.proj.{p}"),
         row("blocks.{i}.norm1.{p}", "blocks.{i}.norm1.{p}"),
-        row("blocks.{i}.attn.qkv.{p}", tuple(f"blocks.{{i}}.attn.{x}_proj.{{p}}" for x in "qkv"), fuse, _split_qkv),
+        row("blocks.{i}.attn.qkv.{p}", tuple(f"blocks.{{i}}.attn.{x}_proj.{{p}}" for x in "qkv"), fuse, split3),
         row("blocks.{i}.attn.q_norm.weight", "blocks.{i}.attn.q_norm.weight"),
         row("blocks.{i}.attn.k_norm.weight", "blocks.{i}.attn.k_norm.weight"),
         row("blocks.{i}.attn.proj.{p}", "blocks.{i}.attn.proj.{p}"),
@@ -271,13 +269,7 @@ def eva_config(config: VitLsConfig, variant: str, qkv_bias: bool, pretrained_cfg
 
 def qv_bias(tensors: Mapping[str, Tensor], config: VitLsConfig) -> bool:
     """Whether any effective q or v bias is non-zero (eva's `_qkvb` architectures hold them)."""
-    for i in range(config.depth):
-        key = f"blocks.{i}.attn.qkv.bias"
-        if key in tensors:
-            q, _, v = split_qkv(effective_qkv_bias(tensors[key], tensors.get(f"{key}_mask")), config.embed_dim)
-            if q.any() or v.any():
-                return True
-    return False
+    return any(bool(q.any() or v.any()) for _, (q, _, v) in qkv_biases(tensors, config))
 
 
 class TimmEva(Format):
