@@ -71,14 +71,18 @@ def int_in(low: int, high: int) -> Rule:
     return Rule(lambda v: _is_int(v) and low <= v <= high, f"an integer in [{low}, {high}]")
 
 
-def number_in(low: float, high: float, low_open: bool = True) -> Rule:
-    """A finite number (never a bool) above `low` (or at it, with `low_open=False`) and at most `high`."""
+def number_in(low: float, high: float, low_open: bool = True, why: str = "", optional: bool = False) -> Rule:
+    """A finite number (never a bool) above `low` (or at it, with `low_open=False`) and at most `high`; `why`
+    says where real models lie, `optional` also allows null."""
     bracket = "(" if low_open else "["
 
     def check(v: Any) -> bool:
+        if v is None:
+            return optional
         return _is_number(v) and (v > low if low_open else v >= low) and v <= high
 
-    return Rule(check, f"a number in {bracket}{low:g}, {high:g}]")
+    words = f"a number in {bracket}{low:g}, {high:g}]" + (f" ({why})" if why else "")
+    return Rule(check, f"null or {words}" if optional else words)
 
 
 def _is_size(value: Any) -> bool:
@@ -87,12 +91,16 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, Sequence) and len(value) == 2 and all(_is_int(s) and 0 < s <= MAX_SIDE for s in value)
 
 
-POSITIVE = Rule(lambda v: _is_number(v) and v > 0, "a positive number")
+# Ranges of the float fields: where released models lie, with a wide margin, and no further, since a value
+# beyond them gives NaN, infinite RoPE periods or all-zero features without an error.
+NORM_EPS = number_in(1e-12, 0.1, low_open=False, why="released models use 1e-6 or 1e-5")
+ROPE_BASE = number_in(1, 1e6, low_open=False, why="RoPE's largest period; released models use 100")
+FFN_RATIO = number_in(1 / 16, MAX_RATIO, low_open=False, why="released models use 4 to 6")
+COORDS_SHIFT = number_in(0, 16, low_open=False, why="a shift of patch coordinates in [-1, 1]", optional=True)
+COORDS_SCALE = number_in(1, 16, low_open=False, why="a log-uniform factor; Meta's pretraining uses 2", optional=True)
 RATE = Rule(lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)")
 SWITCH = Rule(lambda v: isinstance(v, bool), "true or false")
 SIZE = Rule(_is_size, f"an integer in [1, {MAX_SIDE}] or a pair of them")
-SHIFT = Rule(lambda v: v is None or (_is_number(v) and v >= 0), "null or a number >= 0")
-SCALE = Rule(lambda v: v is None or (_is_number(v) and v >= 1), "null or a number >= 1")
 _INIT_VALUES_ALLOWED = (
     "a positive number, 0 / 'off' / false / null (LayerScale off), 'auto' (CaiT's depth rule), "
     "a mapping {attn: ..., mlp: ...} of those, or a list with one such entry per block"
@@ -100,17 +108,20 @@ _INIT_VALUES_ALLOWED = (
 # Its shape as given: scalars, {attn, mlp} mappings of them, or a list of those no longer than the deepest
 # model (its length against depth, and each value, are checked when resolved).
 INIT_VALUES = Rule(lambda v: _is_init_values(v), _INIT_VALUES_ALLOWED)
+
+
+def _is_heads_per_block(value: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and len(value) <= MAX_DEPTH
+        and all(_is_int(h) and 0 < h <= MAX_HEADS for h in value)
+    )
+
+
+HEADS_PER_BLOCK = Rule(_is_heads_per_block, f"a list with one integer in [1, {MAX_HEADS}] per block")
 KV_HEADS = Rule(
-    lambda v: (
-        v is None
-        or (_is_int(v) and 0 < v <= MAX_HEADS)
-        or (
-            isinstance(v, Sequence)
-            and not isinstance(v, str)
-            and len(v) <= MAX_DEPTH
-            and all(_is_int(h) and 0 < h <= MAX_HEADS for h in v)
-        )
-    ),
+    lambda v: v is None or (_is_int(v) and 0 < v <= MAX_HEADS) or _is_heads_per_block(v),
     f"null (every head), an integer in [1, {MAX_HEADS}], or a list with one such integer per block",
 )
 
@@ -147,24 +158,24 @@ class VitLsConfig:
     qk_norm: bool = knob(False, SWITCH)  # a norm (norm_layer) over each head's q and k, before RoPE (Sapiens2)
     norm_layer: str = knob("layernorm", one_of(NORM_LAYERS))  # block norms, output norms and qk_norm
     ffn_layer: str = knob("mlp", one_of(FFN_LAYERS))  # "mlp" (GELU) or "swiglu"
-    ffn_ratio: float = knob(4.0, number_in(0, MAX_RATIO))
+    ffn_ratio: float = knob(4.0, FFN_RATIO)
     swiglu_align_to: int = knob(8, int_in(1, MAX_WIDTH))
     qkv_bias: bool = knob(True, SWITCH)
     mask_k_bias: bool = knob(True, SWITCH)  # the k third of the qkv bias is multiplied by a (loaded) mask
     proj_bias: bool = knob(True, SWITCH)
     ffn_bias: bool = knob(True, SWITCH)
-    norm_eps: float = knob(1e-5, POSITIVE)
+    norm_eps: float = knob(1e-5, NORM_EPS)
     # LayerScale: float, 0/"off"/None, "auto", {attn, mlp}, or a per-block list of those
     init_values: Any = knob(1e-5, INIT_VALUES)
     # Rotary position embedding
-    rope_base: float = knob(100.0, POSITIVE)
+    rope_base: float = knob(100.0, ROPE_BASE)
     rope_normalize_coords: str = knob("separate", one_of(NORMALIZE_COORDS))
     rope_periods_bf16: bool = knob(True, SWITCH)  # released checkpoints store bf16-rounded periods
     # What RoPE's tables and rotation compute in: fp32 (Meta's DINOv3, LingBot) or bf16 (Sapiens2's code as released)
     rope_dtype: str = knob("fp32", one_of(ROPE_DTYPES))
-    rope_shift_coords: float | None = knob(None, SHIFT)
-    rope_jitter_coords: float | None = knob(None, SCALE)
-    rope_rescale_coords: float | None = knob(None, SCALE)  # Meta's pretraining used 2
+    rope_shift_coords: float | None = knob(None, COORDS_SHIFT)
+    rope_jitter_coords: float | None = knob(None, COORDS_SCALE)
+    rope_rescale_coords: float | None = knob(None, COORDS_SCALE)  # Meta's pretraining used 2
     # Output norms
     cls_norm: bool = knob(False, SWITCH)  # untied norms: `cls_norm` for cls + storage tokens, `norm` for patches
     local_cls_norm: bool = knob(False, SWITCH)  # carried by SAT-L and 7B checkpoints; unused outside local crops

@@ -30,6 +30,8 @@ from timm_ls.main import main
 
 SMALL = "vit_ls_small_patch16_dinov3"
 TINY = dict(embed_dim=64, num_heads=4, depth=2)
+SAPIENS2 = "vit_ls_base_patch16_sapiens2"
+SAPIENS2_TINY = dict(embed_dim=64, num_heads=4, depth=2, num_kv_heads=[4, 2])
 TINY_KWARGS = ["--model-kwargs", *(f"{k}={v}" for k, v in TINY.items())]
 SECONDS = 10.0  # each case, beyond the imports; most take well under one
 SEED = 20261202
@@ -53,6 +55,11 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     found = {"weights": weights}
     for to in ("native", "hf", "timm"):
         found[to] = convert_checkpoint(weights, root / to, to=to, model=SMALL, model_kwargs=TINY).destination
+    sapiens2 = timm.create_model(SAPIENS2, **SAPIENS2_TINY, num_classes=0)
+    save_file({k: v.contiguous() for k, v in sapiens2.state_dict().items()}, root / "sapiens2.safetensors")
+    found["sapiens2 hf"] = convert_checkpoint(
+        root / "sapiens2.safetensors", root / "sapiens2_hf", to="hf", model=SAPIENS2, model_kwargs=SAPIENS2_TINY
+    ).destination
     return found
 
 
@@ -105,6 +112,14 @@ CONFIG_CASES = {
     "native a million blocks": ("native", setting("model_args", "depth", 10**6), "model_args: depth: got 1000000"),
     "native init per block of 2000": ("native", setting("model_args", "init_values", [0.5] * 2000), "model_args: init"),
     "native init 900 deep": ("native", setting("model_args", "init_values", json.loads(DEEP)), "init_values"),
+    # transformers' Sapiens2Config: a per-layer list, or null for its default pattern; values no model has
+    "sapiens2 kv heads an int": ("sapiens2 hf", setting("num_key_value_heads_per_layer", 2), "layer: got 2; allowed"),
+    "sapiens2 kv heads text": ("sapiens2 hf", setting("num_key_value_heads_per_layer", "4,2"), "got '4,2'; allowed"),
+    "sapiens2 kv heads a zero": ("sapiens2 hf", setting("num_key_value_heads_per_layer", [4, 0]), "got [4, 0]"),
+    "sapiens2 rope theta tiny": ("sapiens2 hf", setting("rope_theta", 1e-300), "rope_theta (rope_base): got 1e-300"),
+    "sapiens2 rope theta huge": ("sapiens2 hf", setting("rope_theta", 1e308), "rope_theta (rope_base): got 1e+308"),
+    "sapiens2 eps huge": ("sapiens2 hf", setting("rms_norm_eps", 1e308), "rms_norm_eps (norm_eps): got 1e+308"),
+    "sapiens2 shift huge": ("sapiens2 hf", setting("pos_embed_shift", 1e308), "pos_embed_shift (rope_shift_coords)"),
     "native deeper than JSON": ("native", '{"a": ' + "[" * 100_000 + "]" * 100_000 + "}", "is not valid JSON"),
 }
 
@@ -117,6 +132,21 @@ def test_a_crafted_config_json_is_one_line(case, sources, tmp_path, capsys):
     assert_one_line_or_read(code, err, took, case)
     assert code == 2 and message in err and not (tmp_path / "out").exists(), err
     assert err.startswith(f"timm-ls: error: {folder}"), err  # the file is named
+
+
+def test_sapiens2_kv_heads_null_is_transformers_default_pattern(sources, tmp_path, capsys):
+    """null stands for transformers' pattern (full attention in the first and last 8 blocks, so every block of a
+    2-deep model): the grouped tiny model no longer fits it, and says so in one line."""
+    folder = with_config(sources["sapiens2 hf"], tmp_path / "src", setting("num_key_value_heads_per_layer", None))
+    code, err, took = answer(["convert", str(folder), str(tmp_path / "out"), "--to", "native"], capsys)
+    assert_one_line_or_read(code, err, took, "null")
+    assert code == 2 and "blocks.1.attn.qkv.weight is [128, 64] in the checkpoint but [192, 64]" in err, err
+    grouped_middle = {"num_first_full_attention_layers": 1, "num_last_full_attention_layers": 0}
+    edit = lambda cfg: json.dumps({**cfg, **grouped_middle, "num_key_value_attention_heads": 2})  # noqa: E731
+    folder = with_config(folder, tmp_path / "pattern", edit)
+    code, err, took = answer(["convert", str(folder), str(tmp_path / "out"), "--to", "native"], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_args"]["num_kv_heads"] == [4, 2]
 
 
 def test_a_head_less_native_folder_is_read_as_native(sources, tmp_path, capsys):

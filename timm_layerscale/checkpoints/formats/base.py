@@ -19,7 +19,7 @@ import torch
 from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
-from ...config import MAX_RATIO, MAX_WIDTH, Rule, VitLsConfig, int_in, number_in, shown
+from ...config import FFN_RATIO, MAX_RATIO, MAX_WIDTH, Rule, VitLsConfig, int_in, shown
 from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name, native_gamma_key
@@ -145,7 +145,7 @@ class ConfigField:
 
 # What derived fields allow: a hidden width up to the widest FFN a config may have, a ratio, a switch.
 HIDDEN_WIDTH = int_in(1, int(MAX_WIDTH * MAX_RATIO))
-RATIO = number_in(0, MAX_RATIO)
+RATIO = FFN_RATIO
 ALIGNMENT = int_in(0, MAX_WIDTH)  # 0: not a SwiGLU
 
 

@@ -17,7 +17,7 @@ import torch
 
 from timm_ls.names import HF_SPEC
 
-from ...config import MAX_DEPTH, MAX_HEADS, SWITCH, VitLsConfig, int_in, shown
+from ...config import HEADS_PER_BLOCK, MAX_DEPTH, MAX_HEADS, SWITCH, Rule, VitLsConfig, int_in, shown
 from ...layers import effective_qkv_bias, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
@@ -144,6 +144,14 @@ CONFIG_FIELDS = (
 )
 
 
+KV_HEADS_PER_LAYER = Rule(lambda v: v is None or HEADS_PER_BLOCK.check(v), f"null or {HEADS_PER_BLOCK.allowed}")
+
+
+def _per_layer_kv_heads(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    heads = cfg["num_key_value_heads_per_layer"]
+    return {} if heads is None else {"num_kv_heads": list(heads)}
+
+
 # Sapiens2Config <-> model args, beside the fields it shares with DINOv3ViTConfig (its norms are RMSNorm).
 SAPIENS2_FIELDS = (
     *(f for f in CONFIG_FIELDS if f.theirs not in ("layer_norm_eps", "query_bias", "value_bias")),
@@ -153,10 +161,12 @@ SAPIENS2_FIELDS = (
     ConfigField("value_bias", "qkv_bias"),
     ConfigField("use_qk_norm", "qk_norm"),
     ConfigField("use_mask_token", "mask_token"),
+    # null, as in transformers, stands for its default pattern (SAPIENS2_PATTERN)
     ConfigField(
         "num_key_value_heads_per_layer",
         write=lambda c: c.layer_kv_heads,
-        read=lambda cfg: {"num_kv_heads": list(cfg["num_key_value_heads_per_layer"])},
+        read=_per_layer_kv_heads,
+        rule=KV_HEADS_PER_LAYER,
     ),
 )
 SAPIENS2_FIXED = {"norm_layer": "rmsnorm", "ffn_layer": "swiglu", "mask_k_bias": False}
@@ -177,7 +187,7 @@ def _sapiens2_args(cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> dict[str
     if not HIDDEN_WIDTH.check(hidden):
         raise ValueError(f"{where}: intermediate_size: got {shown(hidden)}; allowed: {HIDDEN_WIDTH.allowed}")
     args.update(ffn_args(dim, hidden, True))
-    if "num_key_value_heads_per_layer" not in cfg:  # transformers' own default pattern, from checked values
+    if cfg.get("num_key_value_heads_per_layer") is None:  # transformers' own default pattern, from checked values
         heads, depth = args.get("num_heads", 16), args.get("depth", 24)
         kv = cfg.get("num_key_value_attention_heads", 8)
         first, last = cfg.get("num_first_full_attention_layers", 8), cfg.get("num_last_full_attention_layers", 8)
