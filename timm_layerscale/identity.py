@@ -28,7 +28,7 @@ from timm_ls.names import is_variant_file
 from .checkpoints.errors import CheckpointError
 from .checkpoints.formats import CONFIG_FILE, Format, SourceConfig, recognise, source_config
 from .checkpoints.formats.base import family, layout_family
-from .checkpoints.mapping.fit import fillable
+from .checkpoints.mapping.fit import checked_periods, fillable
 from .checkpoints.mapping.gamma_keys import native_gamma_key
 from .checkpoints.mapping.keys import block_count
 from .checkpoints.mapping.plan import PERIODS, Plan, TensorInfo
@@ -112,7 +112,7 @@ def key_args(
     if kv_heads is not None:
         args["num_kv_heads"] = kv_heads
     if PERIODS in keys:  # exact in bf16: Meta's rounding; the loaded periods win either way
-        periods = native[PERIODS].float()
+        periods = checked_periods(native[PERIODS])
         args["rope_periods_bf16"] = bool(torch.equal(periods, periods.bfloat16().float()))
     else:  # formats without periods compute them in fp32, unrounded, and RoPE in fp32 (timm's, transformers')
         args["rope_periods_bf16"] = False

@@ -61,6 +61,23 @@ class Fitted:
         return lines + [f"WARNING: {w}" for w in self.warnings]
 
 
+def checked_periods(periods: Tensor) -> Tensor:
+    """A checkpoint's RoPE periods in fp32, or one line: a NaN, infinite, zero or negative period makes every
+    output NaN, so such a file is refused before anything is built from it."""
+    values = periods.float()
+    bad = ~torch.isfinite(values) | (values <= 0)
+    if values.numel() and not bool(bad.any()):
+        return values
+    found = sorted(
+        {"NaN" if v != v else "Inf" if abs(v) == float("inf") else "zero or negative" for v in values[bad].tolist()}
+    )
+    raise CheckpointError(
+        f"{PERIODS} holds {' and '.join(found) or 'no values'} ({int(bad.sum())} of {values.numel()}): the checkpoint "
+        f"is broken and RoPE would make every output NaN; convert an unbroken copy, or delete the key to use the "
+        f"periods rope_base gives"
+    )
+
+
 def fit_to_model(
     native: Plan,
     expected: Mapping[str, Tensor],
@@ -103,6 +120,8 @@ def fit_to_model(
         for key in step.outputs:
             steps[key] = step
         del steps[step.inputs[-1]]
+    if PERIODS in infos:
+        checked_periods(native[PERIODS])
     file_gammas = {k: native[k] for k in infos if NATIVE_GAMMA_KEY.match(k)}
     warnings = suspicious_gammas(file_gammas, layer_scale.kept, getattr(config, "layer_init_values", []))
 
