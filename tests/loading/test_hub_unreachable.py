@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import huggingface_hub
+import PIL.Image
 import pytest
 import timm
 import torch
@@ -126,6 +127,26 @@ def test_inspect_fails_in_one_line(unreachable, tmp_path: Path) -> None:
     assert line.endswith(
         f") and {HUB_ID} is not in the local cache; pass the downloaded file instead: timm-ls inspect FILE"
     )
+    assert unreachable.connections == int(hole)
+
+
+def test_features_fails_in_one_line_and_writes_nothing(unreachable, tmp_path: Path) -> None:
+    """Pictures of an untrained model would pass for the pretrained one's: only the main job falls back."""
+    image = tmp_path / "a.png"
+    PIL.Image.new("RGB", (64, 48), (200, 30, 90)).save(image)
+    out = tmp_path / "pca"
+    cli = [sys.executable, "-m", "timm_ls", "features", str(image), "--model", INSPECT[1], "--pretrained"]
+    result = run([*cli, "--out", str(out), "--model-kwargs", "depth=2"], unreachable_env(unreachable, tmp_path / "h"))
+    hole = isinstance(unreachable, BlackHoleHub)
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(
+        f"timm-ls: error: --pretrained: the Hub is not reachable ({not_reachable(unreachable.url, hole)}"
+    )
+    assert line.endswith(
+        f") and {HUB_ID} is not in the local cache; pass the downloaded file instead with --checkpoint FILE"
+    )
+    assert not out.exists() and "random" not in result.stdout
     assert unreachable.connections == int(hole)
 
 

@@ -108,7 +108,11 @@ def load_report() -> Iterator[list[str]]:
         logger.level, logger.propagate = old
 
 
-def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[nn.Module, str]:
+def build(
+    args: argparse.Namespace, variant: Variant, tag: str | None, offline_random: bool = False
+) -> tuple[nn.Module, str]:
+    """The model a command asked for; `offline_random` (the demo only) builds random weights, with a warning,
+    where `--pretrained` finds neither the Hub nor a cached copy, where every other command stops."""
     name = f"{variant.name}.{tag}" if tag else variant.name
     kwargs = parse_model_kwargs(args.model_kwargs)
     if args.checkpoint:
@@ -127,10 +131,12 @@ def build(args: argparse.Namespace, variant: Variant, tag: str | None) -> tuple[
     except HubError as exc:
         if exc.unreachable is None:
             raise exc.instead(CHECKPOINT_WAY_OUT) from None
-        warn(
-            f"--pretrained: the Hub is not reachable ({exc.unreachable}) and {cfg.hf_hub_id} is not in the local "
-            f"cache; using random weights instead"
+        offline = (
+            f"--pretrained: the Hub is not reachable ({exc.unreachable}) and {cfg.hf_hub_id} is not in the local cache"
         )
+        if not offline_random:
+            raise CliError(f"{offline}; {CHECKPOINT_WAY_OUT}") from None
+        warn(f"{offline}; using random weights instead")
         fallback = "random init, because the Hub is not reachable (see the warning above)"
         return timm.create_model(name, **kwargs), fallback
     overlay = dict(file=str(weights.path))

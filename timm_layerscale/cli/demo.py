@@ -283,7 +283,7 @@ def show_model(args: argparse.Namespace) -> int:
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)  # the job's own folder, for the default picture
     with load_report() as report:
-        model, source = build(args, variant, tag)
+        model, source = build(args, variant, tag, offline_random=True)
     model.eval()
     for line in report:
         if line.startswith("warning: "):
