@@ -287,3 +287,55 @@ def test_a_signal_mid_write_leaves_the_destination_as_it_was(big: Path, tmp_path
     assert proc.returncode == 128 + signum, err
     assert (out, err.decode()) == (b"", f"timm-ls: interrupted; nothing was written to {dst}\n")
     assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------ symlinked destinations
+
+
+@pytest.mark.parametrize(
+    ("to", "name", "target"),
+    [
+        ("native", "out", "folder"),
+        ("meta", "out.pth", "folder"),
+        ("native", "out", "file"),
+        ("meta", "out.pth", "file"),
+        ("native", "out", "dangling"),
+        ("meta", "out.pth", "dangling"),
+    ],
+)
+def test_overwrite_replaces_a_link_never_what_it_points_to(source: Path, tmp_path: Path, capsys, to, name, target):
+    """A symlink destination is replaced by what is written; the folder or file it points to is left as it was."""
+    linked = tmp_path / "users"
+    if target == "folder":
+        linked.mkdir()
+        (linked / "precious.txt").write_text("mine")
+    elif target == "file":
+        linked.write_bytes(b"the user's own file")
+    dst = tmp_path / name
+    dst.symlink_to(linked)
+    before = (
+        {p.name: p.read_bytes() for p in linked.iterdir()}
+        if linked.is_dir()
+        else linked.exists() and linked.read_bytes()
+    )
+    code, out, err = run(capsys, "convert", str(source), str(dst), "--to", to, *SMALL)
+    assert_refused(code, out, err, f"{dst} exists; pass --overwrite to replace it")
+    code, _, err = run(capsys, "convert", str(source), str(dst), "--to", to, "--overwrite", *SMALL)
+    assert code == 0, err
+    assert not dst.is_symlink() and dst.exists()
+    after = (
+        {p.name: p.read_bytes() for p in linked.iterdir()}
+        if linked.is_dir()
+        else linked.exists() and linked.read_bytes()
+    )
+    assert after == before
+
+
+def test_a_symlinked_parent_folder_is_written_into(source: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    code, _, err = run(capsys, "convert", str(source), str(tmp_path / "via" / "out.pth"), "--to", "meta", *SMALL)
+    assert code == 0, err
+    assert (tmp_path / "real" / "out.pth").is_file() and sorted(p.name for p in (tmp_path / "real").iterdir()) == [
+        "out.pth"
+    ]
