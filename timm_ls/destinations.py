@@ -69,7 +69,7 @@ def destination_problem(
         return (
             f"{dst} is a folder and {what} writes a file; name a file (e.g. {dst / ('model' + (suffixes or ('',))[0])})"
         )
-    if dst.exists() and not dst.is_dir() and folder:
+    if dst.exists() and not dst.is_dir() and not dst.is_symlink() and folder:
         return f"{dst} is a file and {what} writes a folder; name a folder (e.g. {dst.with_suffix('').name}-folder)"
     if not overwrite:
         for path in (dst, *map(Path, companions)):

@@ -234,27 +234,52 @@ def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_native(model, tmp_path_factory.mktemp("big") / "vitb")
 
 
+def wait_for(proc: subprocess.Popen, condition, what: str) -> None:
+    """Waits until `condition()` holds while `proc` runs: for an event of the write, never for a time."""
+    while not condition():
+        assert proc.poll() is None, (what, proc.communicate())
+        time.sleep(0.01)
+
+
+def staged(tmp_path: Path, name: str) -> list[Path]:
+    """What the write of `name` has put in its staging folder so far (`name` itself once it is being written)."""
+    return [p for stage in tmp_path.glob(f".{name}.tmp-*") for p in stage.glob(f"{name}*")]
+
+
 @pytest.mark.parametrize(
     ("signum", "dst", "old"),
-    [(signal.SIGTERM, "dcp", True), (signal.SIGINT, "dcp", False), (signal.SIGTERM, "teacher.pth", False)],
+    [
+        (signal.SIGTERM, "dcp", True),
+        (signal.SIGINT, "dcp", False),
+        (signal.SIGTERM, "teacher.pth", False),
+        (signal.SIGTERM, "teacher.pth", True),
+        (signal.SIGINT, "teacher.pth", True),
+        (signal.SIGTERM, "teacher.safetensors", True),
+        (signal.SIGINT, "teacher.safetensors", True),
+    ],
 )
 def test_a_signal_mid_write_leaves_the_destination_as_it_was(big: Path, tmp_path: Path, signum, dst, old) -> None:
-    dst = tmp_path / dst
-    if old:  # an earlier write of the same format, to be kept whole
+    """The signal comes once the file or folder itself is being written in the staging folder (for a .pth,
+    once torch.save has begun, after the tensors were streamed beside it)."""
+    name, dst = dst, tmp_path / dst
+    to = "meta-train" if dst.suffix == "" else "meta"
+    if old and to == "meta-train":  # an earlier write of the same format, to be kept whole
         dst.mkdir()
         (dst / ".metadata").write_text("old metadata")
         (dst / "__0_0.distcp").write_text("old data")
+    elif old:
+        dst.write_bytes(b"an earlier teacher file, to be kept whole")
     before = snapshot(tmp_path)
-    args = ["convert", str(big), str(dst), "--to", "meta-train", *(["--overwrite"] if old else [])]
+    args = ["convert", str(big), str(dst), "--to", to, *(["--overwrite"] if old else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "timm_ls", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob(".*.tmp-*")):  # the write has begun
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.02)
+        if to == "meta-train":
+            wait_for(proc, lambda: any(p.is_dir() and any(p.iterdir()) for p in staged(tmp_path, name)), "a shard")
+        else:
+            wait_for(proc, lambda: any(p.name == name and p.stat().st_size > 0 for p in staged(tmp_path, name)), name)
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -262,3 +287,55 @@ def test_a_signal_mid_write_leaves_the_destination_as_it_was(big: Path, tmp_path
     assert proc.returncode == 128 + signum, err
     assert (out, err.decode()) == (b"", f"timm-ls: interrupted; nothing was written to {dst}\n")
     assert snapshot(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------ symlinked destinations
+
+
+@pytest.mark.parametrize(
+    ("to", "name", "target"),
+    [
+        ("native", "out", "folder"),
+        ("meta", "out.pth", "folder"),
+        ("native", "out", "file"),
+        ("meta", "out.pth", "file"),
+        ("native", "out", "dangling"),
+        ("meta", "out.pth", "dangling"),
+    ],
+)
+def test_overwrite_replaces_a_link_never_what_it_points_to(source: Path, tmp_path: Path, capsys, to, name, target):
+    """A symlink destination is replaced by what is written; the folder or file it points to is left as it was."""
+    linked = tmp_path / "users"
+    if target == "folder":
+        linked.mkdir()
+        (linked / "precious.txt").write_text("mine")
+    elif target == "file":
+        linked.write_bytes(b"the user's own file")
+    dst = tmp_path / name
+    dst.symlink_to(linked)
+    before = (
+        {p.name: p.read_bytes() for p in linked.iterdir()}
+        if linked.is_dir()
+        else linked.exists() and linked.read_bytes()
+    )
+    code, out, err = run(capsys, "convert", str(source), str(dst), "--to", to, *SMALL)
+    assert_refused(code, out, err, f"{dst} exists; pass --overwrite to replace it")
+    code, _, err = run(capsys, "convert", str(source), str(dst), "--to", to, "--overwrite", *SMALL)
+    assert code == 0, err
+    assert not dst.is_symlink() and dst.exists()
+    after = (
+        {p.name: p.read_bytes() for p in linked.iterdir()}
+        if linked.is_dir()
+        else linked.exists() and linked.read_bytes()
+    )
+    assert after == before
+
+
+def test_a_symlinked_parent_folder_is_written_into(source: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "via").symlink_to(tmp_path / "real")
+    code, _, err = run(capsys, "convert", str(source), str(tmp_path / "via" / "out.pth"), "--to", "meta", *SMALL)
+    assert code == 0, err
+    assert (tmp_path / "real" / "out.pth").is_file() and sorted(p.name for p in (tmp_path / "real").iterdir()) == [
+        "out.pth"
+    ]

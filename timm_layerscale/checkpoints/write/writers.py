@@ -132,11 +132,22 @@ def write_torch_file(
         written = write_safetensors(staging, tensors, progress=progress)
         with safe_open(str(staging), framework="pt") as mapped, path.open("wb") as f:
             state = {key: mapped.get_tensor(key) for key in tensors}
-            torch.save(state if under is None else {under: state}, f)
+            _save_interruptibly(state if under is None else {under: state}, f)
             _sync(f)
     finally:
         staging.unlink(missing_ok=True)
     return written
+
+
+def _save_interruptibly(obj: object, f) -> None:
+    """`torch.save`, letting a signal that cuts it short through as itself: torch's zip writer, closed on the
+    way out, finds its file cut short and raises a RuntimeError in the signal's place."""
+    try:
+        torch.save(obj, f)
+    except RuntimeError as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            raise exc.__context__ from None
+        raise
 
 
 def write_text(path: Path, text: str) -> None:
