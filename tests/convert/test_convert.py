@@ -253,7 +253,7 @@ def test_effective_biases_pick_the_eva_architecture(tmp_path, images):
 
 
 @torch.no_grad()
-def test_non_zero_k_bias_is_kept_by_transformers_and_named_for_eva(tmp_path, images):
+def test_non_zero_k_bias_is_kept_by_transformers_and_refused_by_eva(tmp_path, images):
     model = ours()
     for block in model.blocks:
         block.attn.qkv.bias_mask.fill_(1.0)  # a model trained without k-masking
@@ -261,30 +261,29 @@ def test_non_zero_k_bias_is_kept_by_transformers_and_named_for_eva(tmp_path, ima
     convert(tmp_path / "kbias.safetensors", tmp_path / "hf", "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["key_bias"] is True
     assert_fp32_close(tokens_from("hf", tmp_path / "hf", "mlp")(images), model.forward_features(images))
-    result = convert(tmp_path / "kbias.safetensors", tmp_path / "timm", "timm")
-    assert "non-zero k biases (blocks 0, 1)" in result.summary()
-    assert any("k bias" in w for w in result.warnings)
-    with pytest.raises(CheckpointError, match="k bias"):
-        convert(tmp_path / "kbias.safetensors", tmp_path / "timm2", "timm", strict=True)
-    assert not (tmp_path / "timm2").exists()
+    with pytest.raises(CheckpointError, match=r"no k bias and blocks 0, 1 .* convert --to native or hf"):
+        convert(tmp_path / "kbias.safetensors", tmp_path / "timm", "timm")
+    assert not (tmp_path / "timm").exists()
 
 
-def test_what_a_target_cannot_hold_is_summarised(tmp_path):
-    model = ours(cls_norm=True, local_cls_norm=True)
+def test_what_a_target_cannot_hold_is_summarised_or_refused(tmp_path):
+    model = ours(local_cls_norm=True)
     save_file(contiguous(model.state_dict()), tmp_path / "sat.safetensors")
-    timm_result = convert(tmp_path / "sat.safetensors", tmp_path / "timm", "timm")
-    summary = timm_result.summary()
-    for name in ("mask_token", "rope_embed.periods", "cls_norm", "local_cls_norm"):
+    summary = convert(tmp_path / "sat.safetensors", tmp_path / "timm", "timm").summary()
+    for name in ("mask_token", "rope_embed.periods", "local_cls_norm"):
         assert name in summary.split("not held by timm: ")[1]
-    assert timm_result.warnings == [
-        "timm cannot hold cls_norm: cls and storage tokens are normed by norm there: their outputs differ"
-    ]
     hf_summary = convert(tmp_path / "sat.safetensors", tmp_path / "hf", "hf").summary()
     assert "mask_token" not in hf_summary and "local_cls_norm" in hf_summary
+    untied = ours(cls_norm=True)
+    save_file(contiguous(untied.state_dict()), tmp_path / "untied.safetensors")
+    for to in ("timm", "hf"):
+        with pytest.raises(CheckpointError, match="no place for this model's cls_norm"):
+            convert(tmp_path / "untied.safetensors", tmp_path / f"{to}2", to)
+        assert not (tmp_path / f"{to}2").exists()
     native = convert(tmp_path / "sat.safetensors", tmp_path / "native", "native")
     assert "not held" not in native.summary()
     args = json.loads((tmp_path / "native" / "config.json").read_text())["model_args"]
-    assert args["cls_norm"] is True and args["local_cls_norm"] is True
+    assert args["local_cls_norm"] is True
 
 
 def test_a_shape_eva_has_no_architecture_for_fails_clearly(tmp_path):

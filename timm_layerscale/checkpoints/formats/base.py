@@ -87,6 +87,29 @@ class Format:
     default_dtype = "keep"  # what `dtype=None` means for it
     # Model args its files have no place for, so a key they lack says nothing of the model (`identity.key_args`).
     unheld_args: frozenset[str] = frozenset()
+    # What it can hold, in one place (`check_holds`): the native key groups it may leave out (each named in the
+    # summary; any other group it has no key for carries weights, and is refused), and the config values its
+    # files or its code fix, by layout family.
+    may_drop: frozenset[str] = frozenset()
+    fixes: Mapping[str, Mapping[str, Any]] = {}
+    instead = "native"  # the formats a refusal suggests
+
+    def check_holds(self, config: VitLsConfig, unheld: Sequence[str]) -> None:
+        """One error line, before anything is written, for a model this format cannot hold in full: a key group
+        it would drop that carries weights, or a config value it fixes otherwise."""
+        dropped = [g for g in unheld_groups(list(unheld)) if g not in self.may_drop]
+        if dropped:
+            shown_groups = ", ".join(dropped[:6]) + (f" (+{len(dropped) - 6})" if len(dropped) > 6 else "")
+            raise CheckpointError(
+                f"{self.title} have no place for this model's {shown_groups}: --to {self.name} cannot hold it in "
+                f"full; convert --to {self.instead} instead"
+            )
+        for name, fixed in self.fixes.get(family(config), {}).items():
+            if getattr(config, name) != fixed:
+                raise CheckpointError(
+                    f"{self.title} fix {name}={fixed!r}, this model has {name}={getattr(config, name)!r}: --to "
+                    f"{self.name} cannot hold it; convert --to {self.instead} instead"
+                )
 
     @property
     def name(self) -> str:

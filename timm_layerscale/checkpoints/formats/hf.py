@@ -22,6 +22,7 @@ from ...layers import effective_qkv_bias, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
+from ..mapping.plan import PERIODS
 from ..write.writers import Progress, write_sharded_safetensors, write_text
 from .base import (
     CONFIG_FILE,
@@ -236,6 +237,9 @@ class HuggingFace(Format):
     title = "transformers DINOv3ViTModel or Sapiens2Model keys"
     table = TABLE
     unheld_args = frozenset({"local_cls_norm"})  # DINOv3ViTModel has no local-crop norm
+    may_drop = frozenset({PERIODS, "local_cls_norm", "head"})
+    fixes = {"sapiens2": {"rope_normalize_coords": "separate"}}  # Sapiens2Config has no field for it
+    instead = "native"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         lambda1 = f".{gamma_name(SPELLING, 1)}"
@@ -264,6 +268,7 @@ class HuggingFace(Format):
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
         k_bias = sapiens2 or bool(k_bias_blocks(full, config))
         out, unheld = self.table.from_native(full, k_bias=k_bias, dim=config.embed_dim)
+        self.check_holds(config, unheld)
         not_held, warnings = not_held_report(unheld, self.name)
         cfg = transformers_config(config, k_bias, job.fill_dtype)
 

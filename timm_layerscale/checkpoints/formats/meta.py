@@ -29,6 +29,8 @@ class Meta(Format):
     spec = META_SPEC
     title = META_TITLE
     table = META_TABLE
+    may_drop = frozenset({"head"})  # Meta's backbones have no classifier
+    instead = "native, hf or timm"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return native_keys(keys)
@@ -38,6 +40,7 @@ class Meta(Format):
         refuse_family(config, "dinov3", "Meta's DINOv3 code", "sapiens2, native, hf or timm")
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
         out, unheld = self.table.from_native(full)
+        self.check_holds(config, unheld)
         not_held, warnings = not_held_report(unheld, self.name)
         writer = write_safetensors if job.dst.suffix == ".safetensors" else write_torch_file
         return WritePlan(out, lambda tmp, bar: writer(tmp, out, progress=bar), not_held, warnings)

@@ -410,6 +410,8 @@ class MetaTrain(Format):
     title = META_TITLE
     table = META_TABLE
     reads_heads = True
+    may_drop = frozenset({"head"})  # Meta's backbone has no classifier
+    instead = "native, hf or timm"
     default_dtype = "fp32"  # Meta's trainer keeps fp32 master weights
     takes = META_TRAIN_SPEC.option_defaults
 
@@ -428,6 +430,7 @@ class MetaTrain(Format):
             with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype) if layer_scale else job.tensors
         )
         backbone, unheld = self.table.from_native(full)
+        self.check_holds(config, unheld)
         not_held, warnings = not_held_report(unheld, self.name, (*OUTPUT_CHANGING, "head"), named={"head": HEAD_NOTE})
         not_held += limits
         warnings += [f"meta-train cannot hold {limit}" for limit in limits]

@@ -74,6 +74,10 @@ class Sapiens2(Format):
     title = "Sapiens2 keys"
     table = TABLE
     unheld_args = frozenset({"mask_token"})  # released backbones drop it: a file without one says nothing
+    may_drop = frozenset({"mask_token", "head", "local_cls_norm"})
+    # Upstream's code builds every model from its arch name with these fixed.
+    fixes = {"sapiens2": {"norm_eps": 1e-6, "rope_normalize_coords": "separate"}}
+    instead = "native or hf"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return (
@@ -91,6 +95,7 @@ class Sapiens2(Format):
             )
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches=(1,))
         out, unheld = self.table.from_native(full, dim=config.embed_dim)
+        self.check_holds(config, unheld)
         not_held, warnings = not_held_report([k for k in unheld if k != "mask_token"], self.name)
         if "mask_token" in unheld:
             not_held.append("mask_token (Sapiens2's released backbones have none)")

@@ -25,7 +25,7 @@ from ...layers import effective_qkv_bias, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
-from ..mapping.plan import Plan
+from ..mapping.plan import PERIODS, Plan, passthrough
 from ..write.writers import Progress, write_safetensors, write_text
 from .base import (
     ALIGNMENT,
@@ -85,6 +85,7 @@ EVA_FIXED = {
         "ffn_bias": True,
         "rope_normalize_coords": "separate",
         "qk_norm": True,
+        "qkv_bias": True,
         "ffn_layer": "swiglu",
         "rope_dtype": "fp32",
     },
@@ -154,7 +155,6 @@ SAPIENS2_TABLE = KeyTable(
         row("blocks.{i}.norm2.{p}", "blocks.{i}.norm2.{p}"),
         row(("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}"), "blocks.{i}.mlp.fc1.{p}", _split_halves, fuse),
         row("blocks.{i}.mlp.w3.{p}", "blocks.{i}.mlp.fc2.{p}"),
-        row(_native_gamma(2), "blocks.{i}." + gamma_name(SPELLING, 2)),
         row("norm.{p}", "norm.{p}"),
         row("head.{p}", "head.{p}"),
     )
@@ -278,6 +278,8 @@ class TimmEva(Format):
     table = TABLE
     # eva's plain architectures have no qkv bias (Meta's all-zero ones are left out), and eva no local-crop norm.
     unheld_args = frozenset({"qkv_bias", "local_cls_norm", "mask_token"})
+    may_drop = frozenset({PERIODS, "local_cls_norm", "mask_token"})
+    instead = "native or hf"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")
@@ -300,16 +302,24 @@ class TimmEva(Format):
         layout = family(config)
         branches = (1,) if layout == "sapiens2" else (1, 2)  # eva's Sapiens2: LayerScale on attention only
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
-        with_qv = qv_bias(full, config)
+        only_qkvb = EVA_ARCHITECTURES.get(job.architecture, ("", ""))[0] is None
+        if only_qkvb and layout == "dinov3" and not config.qkv_bias:
+            raise CheckpointError(
+                f"timm's eva has only a _qkvb architecture for {job.architecture} and this model has no qkv bias: "
+                f"--to timm cannot hold it; convert --to native or hf instead"
+            )
+        with_qv = qv_bias(full, config) or (only_qkvb and layout == "dinov3")
         out, unheld = self.table.from_native(full, layout=layout, qkv_bias=with_qv, dim=config.embed_dim)
-        not_held, warnings = not_held_report(unheld, self.name)
+        self.check_holds(config, unheld)
         k_blocks = k_bias_blocks(full, config) if layout == "dinov3" else []
         if k_blocks:
-            blocks = ", ".join(map(str, k_blocks))
-            not_held.append(f"non-zero k biases (blocks {blocks})")
-            warnings.append(
-                f"timm's eva has no k bias: the non-zero k biases of blocks {blocks} are dropped, outputs differ"
+            raise CheckpointError(
+                f"timm's eva has no k bias and blocks {', '.join(map(str, k_blocks))} of this model have non-zero "
+                f"ones: --to timm cannot hold it; convert --to native or hf instead"
             )
+        if not config.num_storage_tokens:  # eva with no register tokens has no reg_token
+            out = Plan(out, passthrough(k for k in out if k != "reg_token"))
+        not_held, warnings = not_held_report(unheld, self.name)
         cfg = eva_config(config, job.architecture, with_qv, job.pretrained_cfg)
 
         def write(tmp: Path, bar: Progress | None) -> None:
