@@ -44,6 +44,7 @@ LAYERS = (
     ("publish", 7),
     ("export", 7),
     ("tools", 7),
+    ("probe", 7),
     ("cli.__main__", 9),  # `python -m timm_layerscale.cli`: the entry point's other name
     ("cli", 8),
     ("timm_ls", 9),  # the entry point: it loads a command's module when that command runs

@@ -1,0 +1,54 @@
+"""The probes against the protocols computed here independently (kNN) and scikit-learn called directly."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sklearn.linear_model import LogisticRegression
+
+from timm_layerscale.probe import C_GRID, knn, logistic_regression, stratified_split
+
+
+def _data(n: int, classes: int, dim: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(classes, dim, generator=g) * 2
+    labels = torch.arange(n) % classes
+    return centres[labels] + torch.randn(n, dim, generator=g) * 3, labels
+
+
+def test_knn_probabilities_match_the_dense_formula():
+    train, train_labels = _data(300, 8, 16, 0)
+    test, test_labels = _data(50, 8, 16, 1)
+    result = knn(train, train_labels, test, test_labels, ks=(10, 20, 100, 200, 400))
+    assert result.ks == [10, 20, 100, 200]
+    a, b = train / train.norm(dim=1, keepdim=True), test / test.norm(dim=1, keepdim=True)
+    sim = (b.double() @ a.double().T).numpy()
+    for k in result.ks:
+        expected = np.zeros((50, 8))
+        for row in range(50):
+            # Meta's softmax runs over the largest k's neighbours; each k sums the first k of those weights
+            order = np.argsort(-sim[row])[: max(result.ks)]
+            w = np.exp(sim[row, order] / 0.07 - (sim[row, order] / 0.07).max())
+            np.add.at(expected[row], train_labels.numpy()[order[:k]], (w / w.sum())[:k])
+        np.testing.assert_allclose(result.probabilities[k].numpy(), expected, atol=1e-6)
+        assert abs(result.top1[k] - 100 * (expected.argmax(1) == test_labels.numpy()).mean()) < 1e-4
+
+
+def test_logistic_regression_matches_sklearn_on_the_same_split():
+    train, train_labels = _data(120, 3, 8, 2)
+    val, val_labels = _data(60, 3, 8, 3)
+    grid = C_GRID[::11]
+    result = logistic_regression(train, train_labels, val, val_labels, c_grid=grid, seed=0, max_iter=200, tol=1e-6)
+    x, y = train.double().numpy(), train_labels.numpy()
+    held = np.asarray(stratified_split(y.tolist(), 0.1, 0))
+    scores = []
+    for c in grid:
+        m = LogisticRegression(C=c, max_iter=200, tol=1e-6).fit(x[~held], y[~held])
+        scores.append(100 * (m.predict(x[held]) == y[held]).mean())
+    assert [s for _, s in result.sweep] == scores
+    best = grid[int(np.argmax(scores))]
+    assert result.best_c == best
+    refit = LogisticRegression(C=best, max_iter=200, tol=1e-6).fit(x, y)
+    assert result.top1 == 100 * (refit.predict(val.double().numpy()) == val_labels.numpy()).mean()
+    again = logistic_regression(train, train_labels, val, val_labels, c_grid=grid, seed=0, max_iter=200, tol=1e-6)
+    assert (again.best_c, again.top1) == (result.best_c, result.top1)
