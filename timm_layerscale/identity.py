@@ -125,10 +125,23 @@ def _kv_heads(native: Mapping[str, torch.Tensor], depth: int) -> list[int] | Non
     attention; the head width comes from the q-norm, which every grouped family has), else None."""
     if "blocks.0.attn.q_norm.weight" not in native:
         return None
-    head_dim = native.info("blocks.0.attn.q_norm.weight").shape[0]
+    q_norm = native.info("blocks.0.attn.q_norm.weight").shape
+    if len(q_norm) != 1 or q_norm[0] == 0:
+        raise CheckpointError(
+            f"blocks.0.attn.q_norm.weight is {list(q_norm)}: a q-norm has one weight per channel of a head; "
+            f"the checkpoint is broken, convert an unbroken copy"
+        )
+    head_dim = q_norm[0]
     heads = []
     for i in range(depth):
-        rows, dim = native.info(f"blocks.{i}.attn.qkv.weight").shape
+        qkv = native.info(f"blocks.{i}.attn.qkv.weight") if f"blocks.{i}.attn.qkv.weight" in native else None
+        if qkv is None or len(qkv.shape) != 2:
+            found = "has no" if qkv is None else f"has a {list(qkv.shape)}"
+            raise CheckpointError(
+                f"block {i} of {depth} {found} attention projection (attn.qkv, or its q, k and v parts together): "
+                f"the checkpoint is incomplete or its blocks are not numbered 0 to {depth - 1}"
+            )
+        rows, dim = qkv.shape
         heads.append((rows - dim) // 2 // head_dim)
     full = native.info("blocks.0.attn.qkv.weight").shape[1] // head_dim
     return heads if any(h != full for h in heads) else None

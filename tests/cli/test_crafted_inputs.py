@@ -60,6 +60,13 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     found["sapiens2 hf"] = convert_checkpoint(
         root / "sapiens2.safetensors", root / "sapiens2_hf", to="hf", model=SAPIENS2, model_kwargs=SAPIENS2_TINY
     ).destination
+    found["sapiens2 keys"] = convert_checkpoint(
+        root / "sapiens2.safetensors",
+        root / "upstream.safetensors",
+        to="sapiens2",
+        model=SAPIENS2,
+        model_kwargs=SAPIENS2_TINY,
+    ).destination
     return found
 
 
@@ -147,6 +154,39 @@ def test_sapiens2_kv_heads_null_is_transformers_default_pattern(sources, tmp_pat
     code, err, took = answer(["convert", str(folder), str(tmp_path / "out"), "--to", "native"], capsys)
     assert code == 0, err
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_args"]["num_kv_heads"] == [4, 2]
+
+
+def _renumbered(sd: dict, old: str, new: str) -> None:
+    for key in [k for k in sd if k.startswith(old)]:
+        sd[new + key[len(old) :]] = sd.pop(key)
+
+
+# Sapiens2's own keys with a part missing, misnumbered, empty or of the wrong rank
+SAPIENS2_KEY_CASES = {
+    "no wk in block 1": (lambda sd: sd.pop("blocks.1.attn.wk.weight"), "block 1 of 2 has no attention projection"),
+    "blocks 0 and 1023": (lambda sd: _renumbered(sd, "blocks.1.", "blocks.1023."), "block 1 of 1024 has no"),
+    "empty q-norm": (lambda sd: sd.update({"blocks.0.attn.q_norm.weight": torch.empty(0)}), "q_norm.weight is [0]"),
+    "2-D q-norm": (lambda sd: sd.update({"blocks.0.attn.q_norm.weight": torch.ones(4, 4)}), "q_norm.weight is [4, 4]"),
+    "1-D wq": (lambda sd: sd.update({"blocks.1.attn.wq.weight": torch.ones(64)}), "timm-ls: error: "),
+    "no q-norm in block 1": (lambda sd: sd.pop("blocks.1.attn.q_norm.weight"), "timm-ls: error: "),
+    "NaN periods": (lambda sd: sd["rope_embed.periods"].fill_(float("nan")), "rope_embed.periods holds NaN (4 of 4)"),
+}
+
+
+@pytest.mark.parametrize("case", SAPIENS2_KEY_CASES)
+def test_crafted_sapiens2_keys_are_one_line(case, sources, tmp_path, capsys):
+    edit, message = SAPIENS2_KEY_CASES[case]
+    sd = load_file(sources["sapiens2 keys"])
+    edit(sd)
+    save_file(sd, tmp_path / "crafted.safetensors")
+    for argv in (
+        ["convert", str(tmp_path / "crafted.safetensors"), str(tmp_path / "out"), "--to", "native"],
+        ["export", str(tmp_path / "crafted.safetensors"), str(tmp_path / "out.onnx"), *TINY_KWARGS],
+    ):
+        code, err, took = answer(argv, capsys)
+        assert_one_line_or_read(code, err, took, case)
+        assert code == 2 and (message in err or argv[0] == "export"), f"{case}: {err}"
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.onnx").exists()
 
 
 def test_a_head_less_native_folder_is_read_as_native(sources, tmp_path, capsys):

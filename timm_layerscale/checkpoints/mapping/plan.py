@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CheckpointError
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -62,7 +64,7 @@ class Plan(Mapping[str, Tensor]):
         self._last: tuple[Step | None, dict[str, Tensor]] = (None, {})
         for step in steps:
             probes = [None if k is None else _meta(info_of(source, k)) for k in step.inputs]
-            for key, out in zip(step.outputs, step.fn(*probes), strict=True):
+            for key, out in zip(step.outputs, _planned(step, probes), strict=True):
                 if out is not None:
                     self._infos[key] = TensorInfo(out.shape, out.dtype)
                     self._step_of[key] = step
@@ -103,6 +105,20 @@ class Plan(Mapping[str, Tensor]):
         self._last = (None, {})
         if isinstance(self.source, Plan):
             self.source.release()
+
+
+def _planned(step: Step, probes: list[Tensor | None]) -> Sequence[Tensor | None]:
+    """The step's outputs on meta tensors, or one line naming inputs whose shapes cannot make them (a crafted
+    or broken file: a 1-D q projection beside 2-D k and v, say)."""
+    try:
+        return step.fn(*probes)
+    except (RuntimeError, ValueError, IndexError) as error:
+        shapes = ", ".join(f"{k} {list(p.shape)}" for k, p in zip(step.inputs, probes, strict=True) if p is not None)
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise CheckpointError(
+            f"{shapes} cannot make {', '.join(step.outputs)} ({reason}): the checkpoint's tensors do not fit "
+            f"together; convert an unbroken copy"
+        ) from None
 
 
 def _meta(info: TensorInfo) -> Tensor:
