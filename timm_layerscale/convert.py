@@ -156,7 +156,7 @@ class Planned:
             nbytes=self.write_plan.tensors.nbytes,
             seconds=seconds,
             not_held=self.write_plan.not_held,
-            report=self.fitted.report(),
+            report=self.fitted.report(warnings=False),  # the command prints `warnings` on stderr
             warnings=warnings,
             keys=self.source.title,
             model_args=self.identity.config.to_dict(),

@@ -10,6 +10,7 @@ from support import TINY, assert_fp32_close, max_diff, move_off_init_
 from timm.models import load_checkpoint
 
 from timm_layerscale import CheckpointError, fold_layer_scale
+from timm_ls.main import main
 
 NAME = "vit_ls_small_patch16_dinov3"
 
@@ -186,3 +187,18 @@ def test_reinit_needs_no_gammas_in_the_checkpoint(tmp_path, ls_log):
     assert all(torch.equal(v, torch.full((64,), 1e-5)) for k, v in model.state_dict().items() if k.endswith("gamma"))
     warnings = [r.getMessage() for r in ls_log.records if r.levelno >= logging.WARNING]
     assert warnings == ["LayerScale: re-initialised 4 gammas to init_values (reinit_layer_scale=True)"]
+
+
+def test_convert_says_a_warning_once(tmp_path, capsys):
+    """The command prints the fit's warnings on stderr, once; its report on stdout does not repeat them."""
+    torch.save(timm.create_model(NAME, **TINY).state_dict(), tmp_path / "fresh.pth")
+    kwargs = [f"{k}={v}" for k, v in TINY.items()]
+    assert (
+        main(
+            ["convert", str(tmp_path / "fresh.pth"), str(tmp_path / "out"), "--to", "native", "--model-kwargs", *kwargs]
+        )
+        == 0
+    )
+    out, err = capsys.readouterr()
+    assert err.count("saved before training") == 1 and "saved before training" not in out, (out, err)
+    assert err.startswith("timm-ls: warning: LayerScale gammas equal an init value in all 4 branches")

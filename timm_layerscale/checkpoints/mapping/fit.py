@@ -51,14 +51,15 @@ class Fitted:
     layer_scale: LayerScalePlan
     warnings: list[str]
 
-    def report(self, first_line: str | None = None) -> list[str]:
+    def report(self, first_line: str | None = None, warnings: bool = True) -> list[str]:
+        """What the fit did, a line each; `warnings=False` leaves the warnings to a caller that prints them."""
         lines = [first_line] if first_line else []
         if self.filled:
             lines.append("filled " + ", ".join(self.filled))
         if self.dropped:
             lines.append("dropped " + ", ".join(self.dropped))
         lines.append(self.layer_scale.summary())
-        return lines + [f"WARNING: {w}" for w in self.warnings]
+        return lines + ([f"WARNING: {w}" for w in self.warnings] if warnings else [])
 
 
 def checked_periods(periods: Tensor) -> Tensor:
