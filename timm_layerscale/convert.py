@@ -156,13 +156,22 @@ class Planned:
             nbytes=self.write_plan.tensors.nbytes,
             seconds=seconds,
             not_held=self.write_plan.not_held,
-            report=self.fitted.report(warnings=False),  # the command prints `warnings` on stderr
+            report=[*self.fitted.report(warnings=False), *left_out_report(ckpt)],  # warnings go to stderr
             warnings=warnings,
             keys=self.source.title,
             model_args=self.identity.config.to_dict(),
             notes=self.write_plan.notes,
             meta_yaml=self.write_plan.text,
         )
+
+
+def left_out_report(ckpt: LazyCheckpoint) -> list[str]:
+    """A line naming the tensors beside the backbone that the conversion drops (a task head), by group."""
+    if not ckpt.left_out:
+        return []
+    groups = sorted({key.split(".", 1)[0] + (".*" if "." in key else "") for key in ckpt.left_out})
+    shown = ", ".join(groups[:4]) + (f" and {len(groups) - 4} more" if len(groups) > 4 else "")
+    return [f"dropped {len(ckpt.left_out)} tensors beside the backbone, which a backbone does not hold: {shown}"]
 
 
 def plan_conversion(

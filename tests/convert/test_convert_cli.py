@@ -283,3 +283,31 @@ def test_a_native_folder_to_meta_summary_counts_its_model_arguments_and_json_lis
 def test_a_few_model_arguments_are_listed_in_the_summary(runs: dict[str, Run]) -> None:
     summary = runs["ok"].stdout.splitlines()[-1]
     assert "(given, with embed_dim=64 num_heads=4 depth=2)" in summary
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["under state_dict", "flat"])
+def test_a_task_head_beside_the_backbone_is_named_when_dropped(nested: bool, tmp_path: Path, capsys) -> None:
+    """A segmentation checkpoint's backbone converts; its head, which no backbone format holds, is named."""
+    model = move_off_init_(timm.create_model("vit_ls_small_patch16_dinov3", **TINY, num_classes=0))
+    state = {f"backbone.{k}": v for k, v in model.state_dict().items()}
+    state.update({"decode_head.conv_seg.weight": torch.ones(3, 64, 1, 1), "decode_head.conv_seg.bias": torch.ones(3)})
+    torch.save({"state_dict": state, "meta": {"epoch": 1}} if nested else state, tmp_path / "segmentor.pth")
+    kwargs = [f"{k}={v}" for k, v in TINY.items()]
+    argv = ["convert", str(tmp_path / "segmentor.pth"), str(tmp_path / "out"), "--to", "native", "--model-kwargs"]
+    assert main([*argv, *kwargs]) == 0
+    out = capsys.readouterr().out
+    assert "  dropped 2 tensors beside the backbone, which a backbone does not hold: decode_head.*\n" in out, out
+    loaded = load_file(tmp_path / "out" / "model.safetensors")
+    assert torch.equal(loaded["blocks.1.ls2.gamma"], model.state_dict()["blocks.1.ls2.gamma"])
+
+
+def test_training_only_parts_are_not_named_as_dropped(tmp_path: Path, capsys) -> None:
+    model = timm.create_model("vit_ls_small_patch16_dinov3", **TINY, num_classes=0)
+    state = {f"teacher.backbone.{k}": v for k, v in model.state_dict().items()}
+    state.update({"teacher.dino_head.mlp.0.weight": torch.ones(8, 64), "teacher.dino_loss.center": torch.ones(1, 8)})
+    state.update({f"student.backbone.{k}": v for k, v in model.state_dict().items()})
+    torch.save(state, tmp_path / "train.pth")
+    kwargs = [f"{k}={v}" for k, v in TINY.items()]
+    argv = ["convert", str(tmp_path / "train.pth"), str(tmp_path / "out"), "--to", "native", "--model-kwargs"]
+    assert main([*argv, *kwargs]) == 0
+    assert "beside the backbone" not in capsys.readouterr().out

@@ -97,6 +97,7 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         self.hub_config = hub_config
         self.recorded = recorded
         self.files = files
+        self.left_out: list[str] = []  # see `_left_out`
         self._infos = infos
         self._read = read
         self._close = close
@@ -478,15 +479,15 @@ def open_checkpoint(
         head_infos = {k: flat.infos[f] for k, f in head_keys.items()}
         kept = LazyCheckpoint(path, flat.kind, taken, head_infos, lambda k: flat.read(head_keys[k]))
     infos = {k: flat.infos[f] for k, f in keys.items()}
-    return LazyCheckpoint(
-        path,
-        flat.kind,
-        taken,
-        infos,
-        lambda k: flat.read(keys[k]),
-        flat.close,
-        flat.hub_config,
-        flat.files,
-        kept,
-        flat.recorded,
-    )
+    read = lambda k: flat.read(keys[k])  # noqa: E731
+    checkpoint = LazyCheckpoint(path, flat.kind, taken, infos, read, flat.close, flat.hub_config, flat.files, kept)
+    checkpoint.recorded = flat.recorded
+    checkpoint.left_out = _left_out(list(flat.infos), {*keys.values(), *(head_keys or {}).values()}, taken)
+    return checkpoint
+
+
+def _left_out(flat_keys: list[str], used: set[str], taken: str) -> list[str]:
+    """The chosen set's keys that no backbone holds, training-only ones aside (a task head): what is dropped."""
+    inside = "" if taken == ONLY_SET else taken + "."
+    left = [k[len(inside) :] for k in flat_keys if k not in used and k.startswith(inside)]
+    return [k for k in left if not TRAINING_ONLY.match(k.removeprefix("module.")) and not HEADS.match(k)]
