@@ -3,6 +3,8 @@ features, the foreground, the memory estimate and every bad input (one line, exi
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import timm
@@ -287,3 +289,67 @@ def test_overwrite_writes_into_an_existing_folder(weights, tmp_path):
     args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
     assert main([*args, "--size", "48", "--out", str(tmp_path / "out"), "--overwrite"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a_pca.png", "mine.txt"]
+
+
+def huge_png_header(path, width: int, height: int):
+    """A small PNG whose header claims `width` x `height`: what is read before decoding decides."""
+    import struct
+    import zlib
+
+    Image.new("L", (4, 4)).save(path)
+    data = bytearray(path.read_bytes())
+    ihdr = struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:33] = ihdr + struct.pack(">I", zlib.crc32(b"IHDR" + ihdr))
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("side", [20_000, 12_000])
+def test_an_image_too_large_to_read_is_one_line_among_good_ones(side, tmp_path, capsys):
+    """Checked from the header before decoding, against this package's limit, not PIL's warning or error."""
+    good = draw_image(tmp_path / "a.png", (64, 48), 0)
+    huge = huge_png_header(tmp_path / "huge.png", side, side)
+    args = [
+        "features",
+        str(good),
+        str(huge),
+        "--model",
+        OURS,
+        "--model-kwargs",
+        "depth=2",
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # PIL's DecompressionBombWarning must not reach the user either
+        assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    size = f"{side}x{side} px" if side * side <= 2 * 89_478_485 else f"{side * side:,} pixels"  # ours, or PIL's count
+    assert err == [
+        f"timm-ls: error: image {huge} is too large ({size}); at most 100,000,000 pixels are read: downscale it first"
+    ], err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("mode", "values"),
+    [
+        ("I;16", np.linspace(1000, 1200, 48 * 64).reshape(48, 64).astype(np.uint16)),
+        ("I", np.linspace(-70_000, 90_000, 48 * 64).reshape(48, 64).astype(np.int32)),
+        ("F", np.linspace(0.001, 0.004, 48 * 64).reshape(48, 64).astype(np.float32)),
+    ],
+)
+def test_wide_images_are_shown_by_their_range(mode, values, tmp_path, capsys):
+    """16-bit, 32-bit integer and float images: lowest value black, highest white, as viewers show them (PIL's
+    RGB conversion clips a 16-bit image to white and a float image in [0, 1] to black)."""
+    path = tmp_path / ("wide.png" if mode == "I;16" else "wide.tif")
+    Image.fromarray(values).save(path)
+    assert Image.open(path).mode.startswith(mode[0])
+    grey = np.asarray(dense.read_image(path))[..., 0].astype(np.float64)
+    expected = (values - values.min()) / (values.max() - values.min()) * 255
+    assert np.abs(grey - expected).max() <= 0.5 + 1e-9
+    out = tmp_path / "out"
+    args = ["features", str(path), "--model", OURS, "--model-kwargs", "depth=2", "--size", "64", "--out", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    shown = np.asarray(Image.open(next(out.glob("*_pca.png"))))[:, :64]
+    assert shown.min() < 30 and shown.max() > 225  # the whole range, not clipped to one end

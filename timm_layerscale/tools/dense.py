@@ -20,6 +20,7 @@ import importlib.util
 import io
 import math
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,12 @@ class ImagingUnavailable(Exception):
 def missing_pil() -> str:
     hint = install_hint("tools")
     return f"reading and writing images needs PIL, which the core install leaves out; install it with {hint}"
+
+
+# The largest image read, by its header before decoding (100 megapixels, below PIL's own bomb limit; the
+# pictures are resized to --size anyway). Modes of more than 8 bits a channel, which PIL's "RGB" would clip.
+MAX_IMAGE_PIXELS = 100_000_000
+WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 
 
 def _pil():
@@ -164,13 +171,39 @@ def target_size(width: int, height: int, size: int | None, patch: int) -> tuple[
 
 
 def read_image(path: Path):
-    """The image at `path` as RGB (PIL), or a `ValueError` naming the file and the fix."""
+    """The image at `path` as RGB (PIL), its size checked from the header before it is decoded; 16-bit, 32-bit
+    integer and float images scaled to 8 bits by their own range, as image viewers show them. Anything else is
+    a `ValueError` naming the file and the fix."""
     image_cls = _pil()
     try:
-        with image_cls.open(path) as img:
-            return img.convert("RGB")
+        with warnings.catch_warnings():  # the size is ours to judge, in one line (PIL's warning, then its error)
+            warnings.simplefilter("ignore", image_cls.DecompressionBombWarning)
+            with image_cls.open(path) as img:
+                if img.width * img.height > MAX_IMAGE_PIXELS:
+                    raise image_cls.DecompressionBombError(f"{img.width}x{img.height} px")
+                return _by_range(img, image_cls) if img.mode in WIDE_MODES else img.convert("RGB")
+    except image_cls.DecompressionBombError as exc:
+        raise ValueError(
+            f"image {path} is too large ({_bomb_size(str(exc))}); at most {MAX_IMAGE_PIXELS:,} pixels "
+            f"are read: downscale it first"
+        ) from None
     except OSError as exc:  # PIL's UnidentifiedImageError is an OSError
         raise ValueError(f"cannot read image {path} ({' '.join(str(exc).split())}); pass a PNG or JPEG file") from None
+
+
+def _bomb_size(words: str) -> str:
+    """The size in our check's words ("W x H px"), or in PIL's ("Image size (N pixels) exceeds ...")."""
+    found = re.search(r"\((\d+) pixels\)", words)
+    return f"{int(found.group(1)):,} pixels" if found else words
+
+
+def _by_range(img, image_cls):
+    """A 16-bit, 32-bit or float image as 8-bit RGB, its lowest value black and its highest white."""
+    values = np.asarray(img, dtype=np.float64)
+    finite = values[np.isfinite(values)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    scaled = np.nan_to_num((values - low) / (high - low) if high > low else values * 0, nan=0.0, posinf=1, neginf=0)
+    return image_cls.fromarray(np.clip(scaled * 255 + 0.5, 0, 255).astype(np.uint8), mode="L").convert("RGB")
 
 
 def write_png(path: Path, pixels: np.ndarray) -> None:
