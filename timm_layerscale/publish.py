@@ -13,6 +13,8 @@ from pathlib import Path
 import huggingface_hub
 from torch import nn
 
+from timm_ls.names import MODEL_CARD_TAGS
+
 from .checkpoints.formats.native import write_native_folder
 from .variants import builtin_architecture
 
@@ -60,7 +62,7 @@ def model_card(model: nn.Module, repo_id: str | None = None) -> str:
         [
             "---",
             "library_name: timm",
-            "tags: [image-feature-extraction, timm, timm-layerscale, dinov3]",
+            MODEL_CARD_TAGS,
             "license: other",
             "license_name: dinov3-license",
             f"license_link: {LICENSE_URL}",

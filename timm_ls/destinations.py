@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from .names import FILE_OR_FOLDER, FILE_SUFFIXES, FormatSpec, suffix_of
+from .names import FILE_OR_FOLDER, FILE_SUFFIXES, OWN_BY_CONTENT, FormatSpec, suffix_of
 
 # Where a writer stages `NAME` (beside it, hidden) and, inside that, keeps the file it replaces.
 STAGING, KEPT = ".{name}.tmp-{token}", ".old-{name}"
@@ -103,7 +103,19 @@ def foreign_entries(folder: Path, ours: Sequence[str]) -> list[str]:
         return []
     with os.scandir(folder) as entries:
         found = sorted((e.is_dir(follow_symlinks=False), e.name) for e in entries)
-    return [name + "/" * is_dir for is_dir, name in found if not is_ours(name, ours, is_dir)]
+    return [
+        name + "/" * is_dir
+        for is_dir, name in found
+        if not is_ours(name, ours, is_dir) or (name in OWN_BY_CONTENT and not _marked(folder / name, name))
+    ]
+
+
+def _marked(path: Path, name: str, head: int = 4096) -> bool:
+    """Whether the file at `path` is one this package wrote: its first bytes hold the mark of `name`."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    with open(path, "rb") as file:
+        return OWN_BY_CONTENT[name].encode() in file.read(head)
 
 
 def foreign_problem(folder: Path, ours: Sequence[str], what: str, overwrite_hint: str = "--overwrite") -> str | None:

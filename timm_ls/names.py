@@ -143,3 +143,10 @@ def is_variant_file(name: str) -> bool:
 def suffix_of(name: str) -> str:
     """The lower-case suffix of a path's last part (`.pth`), or '' (a leading dot does not make one)."""
     return _suffix(str(name))
+
+
+# The line every model card this package writes carries: a README.md counts as a format's own file (and
+# `--overwrite` may replace it) only when it holds this line, so a user's own README is never deleted.
+MODEL_CARD_TAGS = "tags: [image-feature-extraction, timm, timm-layerscale, dinov3]"
+# Files a format writes under names a user's files have too: ours only when their first bytes hold the mark.
+OWN_BY_CONTENT = {"README.md": MODEL_CARD_TAGS}

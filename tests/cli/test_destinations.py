@@ -19,7 +19,7 @@ import timm
 from safetensors.torch import save_file
 from support import TINY, move_off_init_
 
-from timm_layerscale import convert_checkpoint, save_native
+from timm_layerscale import convert_checkpoint, save_for_hub, save_native
 from timm_layerscale.checkpoints import CheckpointError
 from timm_layerscale.checkpoints.formats import native
 from timm_ls.checks import check_ablate
@@ -109,6 +109,30 @@ def test_a_folder_holding_files_we_did_not_write_is_refused(source: Path, tmp_pa
     code, _, err = run(capsys, "convert", str(source), str(dst), "--to", "native", "--overwrite", *SMALL)
     assert code == 2 and "holds precious.txt, which" in err and "or remove it\n" in err
     assert (dst / "precious.txt").read_text() == "mine"
+
+
+def test_a_users_readme_is_never_ours_but_our_model_card_is(source: Path, tmp_path: Path, capsys) -> None:
+    """README.md is a name the native format writes (a model card), and a name users give their notes: it is
+    replaced only when it is a card this package wrote, recognised by its content."""
+    dst = tmp_path / "out"
+    assert run(capsys, "convert", str(source), str(dst), "--to", "native", *SMALL)[0] == 0
+    (dst / "README.md").write_text("# My notes on this run\n")
+    before = snapshot(tmp_path)
+    code, out, err = run(capsys, "convert", str(source), str(dst), "--to", "native", "--overwrite", *SMALL)
+    assert_refused(
+        code,
+        out,
+        err,
+        f"{dst} holds README.md, which --to native does not write and --overwrite would delete; "
+        f"choose another folder or remove it",
+    )
+    assert snapshot(tmp_path) == before
+    model = timm.create_model(NAME, **TINY)
+    save_for_hub(model, tmp_path / "card")  # a folder with our model card
+    assert "timm-layerscale" in (tmp_path / "card" / "README.md").read_text()
+    code, _, err = run(capsys, "convert", str(source), str(tmp_path / "card"), "--to", "native", "--overwrite", *SMALL)
+    assert code == 0, err
+    assert (tmp_path / "card" / "model.safetensors").exists()
 
 
 def test_save_native_refuses_them_too(tmp_path: Path) -> None:
