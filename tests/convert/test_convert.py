@@ -288,7 +288,8 @@ def test_what_a_target_cannot_hold_is_summarised_or_refused(tmp_path):
 
 def test_a_shape_eva_has_no_architecture_for_fails_clearly(tmp_path):
     state = expected_state(VARIANTS["vit_ls_large_plus_patch16_dinov3"].config.replace(depth=1, num_classes=0))
-    save_file({k: torch.zeros(v.shape) for k, v in state.items()}, tmp_path / "lplus.safetensors")
+    weights = {k: torch.ones(v.shape) if k.endswith("periods") else torch.zeros(v.shape) for k, v in state.items()}
+    save_file(weights, tmp_path / "lplus.safetensors")  # zeros but the periods, which must be positive
     with pytest.raises(CheckpointError, match="timm's eva has no DINOv3 architecture for vit_ls_large_plus"):
         convert_checkpoint(tmp_path / "lplus.safetensors", tmp_path / "timm", to="timm", model_kwargs={"depth": 1})
     assert not (tmp_path / "timm").exists()
