@@ -53,6 +53,7 @@ from timm_layerscale.checkpoints.mapping.gamma_keys import GAMMA_SPELLINGS
 from timm_layerscale.identity import expected_state, identify
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
+from timm_ls.names import MODEL_CARD_TAGS
 
 KWARGS = dict(TINY)
 
@@ -428,7 +429,10 @@ def test_existing_destination_is_kept_unless_overwrite(tmp_path):
     with pytest.raises(CheckpointError, match=r"holds keep\.txt, which --to native does not write"):
         convert(src, tmp_path / "out", "native", overwrite=True)  # not a file it writes
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
-    (tmp_path / "out" / "keep.txt").rename(tmp_path / "out" / "README.md")  # one it writes, this time not
+    (tmp_path / "out" / "keep.txt").rename(tmp_path / "out" / "README.md")  # a name it writes, not its card
+    with pytest.raises(CheckpointError, match=r"holds README\.md, which --to native does not write"):
+        convert(src, tmp_path / "out", "native", overwrite=True)
+    (tmp_path / "out" / "README.md").write_text(f"---\n{MODEL_CARD_TAGS}\n---\n")  # a card of ours
     convert(src, tmp_path / "out", "native", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.safetensors", "out"]  # the old one is gone
