@@ -89,6 +89,7 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         files: tuple[Path, ...] = (),
         heads: LazyCheckpoint | None = None,
         recorded: dict[str, Any] | None = None,
+        left_out: list[str] | None = None,
     ) -> None:
         self.path = path
         self.heads = heads
@@ -97,7 +98,7 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         self.hub_config = hub_config
         self.recorded = recorded
         self.files = files
-        self.left_out: list[str] = []  # see `_left_out`
+        self.left_out = left_out or []  # what the chosen set holds beside the backbone (`_left_out`)
         self._infos = infos
         self._read = read
         self._close = close
@@ -479,11 +480,11 @@ def open_checkpoint(
         head_infos = {k: flat.infos[f] for k, f in head_keys.items()}
         kept = LazyCheckpoint(path, flat.kind, taken, head_infos, lambda k: flat.read(head_keys[k]))
     infos = {k: flat.infos[f] for k, f in keys.items()}
+    left_out = _left_out(list(flat.infos), {*keys.values(), *(head_keys or {}).values()}, taken)
     read = lambda k: flat.read(keys[k])  # noqa: E731
-    checkpoint = LazyCheckpoint(path, flat.kind, taken, infos, read, flat.close, flat.hub_config, flat.files, kept)
-    checkpoint.recorded = flat.recorded
-    checkpoint.left_out = _left_out(list(flat.infos), {*keys.values(), *(head_keys or {}).values()}, taken)
-    return checkpoint
+    return LazyCheckpoint(
+        path, flat.kind, taken, infos, read, flat.close, flat.hub_config, flat.files, kept, flat.recorded, left_out
+    )
 
 
 def _left_out(flat_keys: list[str], used: set[str], taken: str) -> list[str]:
