@@ -181,7 +181,12 @@ def check_features(args: argparse.Namespace) -> None:
                 f"{stems[image.stem]} and {image} would both write {image.stem}_pca.png; rename one or run them apart"
             )
         stems[image.stem] = image
-    _model_source(args.model, VARIANT_FILE)
+    if args.model is None and not args.checkpoint:
+        raise CliError(
+            "--model: pass the model to run (a vit_ls NAME[.TAG], a YAML variant file or a timm ViT), or --checkpoint PATH"
+        )
+    if args.model is not None:
+        _model_source(args.model, VARIANT_FILE)
     _require(CHECKPOINT, args.checkpoint)
     _destination(args.out, folder=True, what="features --out", overwrite=args.overwrite, into=args.overwrite)
 

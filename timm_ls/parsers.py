@@ -279,10 +279,9 @@ def add_features(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files, or folders of them")
     parser.add_argument(
         "--model",
-        required=True,
         metavar="NAME[.TAG]|VARIANT.yaml",
         help="a vit_ls variant, a YAML variant file, or a timm ViT with forward_intermediates (vit_*_dinov2, "
-        "deit3_*, eva's vit_*_dinov3, ...)",
+        "deit3_*, eva's vit_*_dinov3, ...); with --checkpoint, by default the model the checkpoint is",
     )
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--pretrained", action="store_true", help="the tag's Hub weights (else random init)")

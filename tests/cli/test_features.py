@@ -18,6 +18,7 @@ from torchvision.transforms.functional import normalize, to_tensor
 
 from timm_layerscale.cli import features as command
 from timm_layerscale.tools import dense
+from timm_layerscale.tools import feature_pictures as pictures
 from timm_ls.main import main
 
 OURS = "vit_ls_small_patch16_dinov3"
@@ -121,15 +122,15 @@ def test_save_writes_the_tokens_with_grid_layer_and_model(weights, tmp_path, cap
     assert tokens.shape == (4, 5, 384)
     assert meta["grid"] == "4x5" and meta["layer"] == "0" and meta["model"] == OURS and str(file) in meta["source"]
     assert meta["input_size"] == "64x80" and meta["patch_size"] == "16"
-    picture = command.prepare(
-        image, Image.open(image).convert("RGB"), 64, 16, timm.data.resolve_data_config(model=model)
-    )
-    x = torch.from_numpy(picture.pixels).unsqueeze(0)
+    (job,) = pictures.plan_images([image], 64, 16)
+    pixels = np.empty((1, 3, 64, 80), np.float32)
+    seen = pictures.decode(job, timm.data.resolve_data_config(model=model), pixels[0])
+    x = torch.from_numpy(pixels)
     with torch.no_grad():
         (expected,) = model.forward_intermediates(x, indices=[0], norm=True, intermediates_only=True)
     assert torch.allclose(tokens, expected[0].permute(1, 2, 0), atol=1e-5 * expected.abs().max().item())
     resized = Image.open(image).convert("RGB").resize((85, 64), Image.BICUBIC).crop((2, 0, 82, 64))
-    assert np.array_equal(picture.image, np.asarray(resized))  # timm's eval transform: resize, centre crop
+    assert np.array_equal(seen, np.asarray(resized))  # timm's eval transform: resize, centre crop
 
 
 def test_foreground_keeps_the_side_away_from_the_borders_and_draws_the_rest_black(tmp_path, capsys):
@@ -141,11 +142,12 @@ def test_foreground_keeps_the_side_away_from_the_borders_and_draws_the_rest_blac
     middle[2:6, 2:6] = True
     feats[middle.reshape(-1)] += 5 * rng.normal(size=16)
     for flip in (1, -1):
-        found = dense.foreground([feats * flip], [grid])
-        assert np.array_equal(found.masks[0], middle.reshape(-1)), "the middle is the foreground, whatever the sign"
-    (rgb,) = dense.pca_colours([feats], found.masks)
+        masks = dense.foreground([feats * flip], [grid])
+        assert np.array_equal(masks[0], middle.reshape(-1)), "the middle is the foreground, whatever the sign"
+    (rgb,) = dense.pca_colours([feats], masks)
     assert (rgb[~middle.reshape(-1)] == 0).all() and (rgb[middle.reshape(-1)] > 0).all()
-    assert "the first PCA component > 0" in found.line() and "16 of 64 patches" in found.line()
+    line = dense.Foreground(int(masks[0].sum()), masks[0].size).line()
+    assert "the first PCA component > 0" in line and "16 of 64 patches" in line
 
 
 def test_foreground_through_the_command_prints_its_rule(weights, tmp_path, capsys):
@@ -184,20 +186,35 @@ def test_mem_available_is_read_from_meminfo(tmp_path):
     assert dense.available_memory(tmp_path / "absent") is None
 
 
-def test_an_image_too_large_for_memory_is_refused_with_the_side_that_fits(weights, tmp_path, capsys, monkeypatch):
+def test_too_large_for_memory_is_refused_with_the_largest_size_that_fits(weights, tmp_path, capsys, monkeypatch):
     _, file = weights[OURS]
-    image = draw_image(tmp_path / "a.png", (128, 96), 1)  # at --size 2048: 2720x2048 px, 170x128 patches
-    free = dense.forward_bytes(5000, 384)
+    image = draw_image(tmp_path / "a.png", (128, 96), 1)  # at --size 1024: 1360x1024 px, 85x64 patches
+    free = dense.forward_bytes(2000, 384)
     monkeypatch.setattr(command, "available_memory", lambda: free)
     args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
-    assert main([*args, "--size", "2048", "--out", str(tmp_path / "out")]) == 2
+    assert main([*args, "--size", "1024", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    side = dense.largest_side(free - 21760 * 384 * 4, 384, 16, 2720 / 2048, 5)
-    assert 0 < side < 2048
-    assert len(err) == 1 and "is 21760 patches" in err[0] and f"pass --size {side} or less" in err[0], err
+    assert len(err) == 1 and "at 1360x1024 px is 5440 patches" in err[0], err
+    side = int(err[0].split("pass --size ")[1].split()[0])
+    assert 0 < side < 1024 and side % 16 == 0
     assert not (tmp_path / "out").exists()
-    monkeypatch.setattr(command, "available_memory", lambda: free * 10)
+    assert main([*args, "--size", str(side + 16), "--out", str(tmp_path / "out")]) == 2  # the largest: one more is not
+    capsys.readouterr()
     assert main([*args, "--size", str(side), "--out", str(tmp_path / "out")]) == 0
+
+
+@pytest.mark.parametrize(("size", "image", "largest"), [("2048", (128, 96), 1760), ("224", (16, 6000), 96)])
+def test_an_image_of_too_many_patches_is_refused_before_it_is_read(size, image, largest, weights, tmp_path, capsys):
+    """The time bound: at most MAX_PATCHES patches an image, from the header alone, with the largest --size within."""
+    _, file = weights[OURS]
+    path = draw_image(tmp_path / "a.png", image, 1)
+    args = ["features", str(path), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", size, "--out", str(tmp_path / "out")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert f"an image may have at most {pictures.MAX_PATCHES:,}" in err and f"pass --size {largest} or less" in err
+    assert not (tmp_path / "out").exists()
+    (job,) = pictures.plan_images([path], largest, 16)
+    assert job.patches <= pictures.MAX_PATCHES < job.at(largest + 16).patches
 
 
 # ------------------------------------------------------------------------------------------ bad input

@@ -18,8 +18,10 @@ from torch import nn
 from timm_ls.errors import CliError
 from timm_ls.names import is_variant_file
 
+from ..checkpoints import CheckpointError, open_checkpoint
 from ..config import shown
 from ..hub import HubError, fetch_hub_weights
+from ..identity import identify_checkpoint
 from ..variants import VARIANTS, Variant, VariantNameError, find_variant, register_variant, ungated_tag
 
 # The command line's way around the Hub, for the commands that take --checkpoint.
@@ -142,6 +144,26 @@ def build(
     overlay = dict(file=str(weights.path))
     model = timm.create_model(f"{variant.name}.{tag}", pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
     return model, weights.origin
+
+
+def build_from_checkpoint(args: argparse.Namespace, name: str | None) -> tuple[nn.Module, str, str]:
+    """The model a checkpoint holds, by the one identity rule of convert, export and inspect (`--model` >
+    what it records > its family > its shapes, then `--model-kwargs`), with its weights: the model, where its
+    weights come from (and why that variant), and its name."""
+    if name is not None:
+        variant, tag = resolve_variant(name)  # a YAML file is registered first
+        name = f"{variant.name}.{tag}" if tag else variant.name
+    kwargs = parse_model_kwargs(args.model_kwargs)
+    try:
+        with open_checkpoint(args.checkpoint) as ckpt:
+            found = identify_checkpoint(ckpt, name, kwargs).model
+    except CheckpointError as exc:
+        raise CliError(str(exc)) from None
+    overlay = {**found.pretrained_cfg, "file": str(args.checkpoint)}
+    model = timm.create_model(
+        found.full_name, pretrained=True, pretrained_cfg_overlay=overlay, **found.config.rebuild_args()
+    )
+    return model, f"checkpoint {args.checkpoint} ({found.reason})", found.full_name
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -31,7 +31,17 @@ from ..tools.experiment import Experiment, check, load_experiment
 from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, gamma_stats, short_number
 from ..tools.shapes import Shapes, make_shapes
 from ..tools.trainer import TrainResult, evaluate, train
-from .common import CliError, build, load_report, parse_model_kwargs, resolve_variant, table, warn
+from ..variants import VARIANTS
+from .common import (
+    CliError,
+    build,
+    build_from_checkpoint,
+    load_report,
+    parse_model_kwargs,
+    resolve_variant,
+    table,
+    warn,
+)
 from .gamma_report import draw, plot_target, stats_table
 
 ASSETS = paths.assets_dir()
@@ -276,23 +286,26 @@ def fit_image(picture: Image.Image, model: nn.Module) -> tuple[Image.Image, str]
 
 
 def show_model(args: argparse.Namespace) -> int:
-    variant, tag = resolve_variant(args.variant or load_experiment(args.config).variant)
     images = [Path(p) for p in args.image] if args.image else sorted(ASSETS.glob("*.png"))
     pictures = [load_image(p) for p in images]
     plot = plot_target(args)
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)  # the job's own folder, for the default picture
     with load_report() as report:
-        model, source = build(args, variant, tag, offline_random=True)
+        if args.checkpoint:  # the model the checkpoint is, by the one identity rule; --variant only names it
+            model, source, name = build_from_checkpoint(args, args.variant)
+        else:
+            variant, tag = resolve_variant(args.variant or load_experiment(args.config).variant)
+            model, source = build(args, variant, tag, offline_random=True)
+            name = f"{variant.name}{f'.{tag}' if tag else ''}"
     model.eval()
     for line in report:
         if line.startswith("warning: "):
             warn(line[len("warning: ") :])
-    name = f"{variant.name}{f'.{tag}' if tag else ''}"
     overrides = " ".join(args.model_kwargs)
     out = [
         f"variant: {name}{f' ({overrides})' if overrides else ''}",
-        f"config: {variant.source}",
+        f"config: {VARIANTS[name.partition('.')[0]].source}",
         f"weights: {source}",
         *(f"  {line}" for line in report if not line.startswith("warning: ")),
     ]

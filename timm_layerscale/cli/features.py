@@ -1,51 +1,46 @@
-"""`timm-ls features IMAGE ... --model NAME --out DIR`: the PCA of a block's patch features as RGB, per image.
+"""`timm-ls features IMAGE ... [--model NAME] --out DIR`: the PCA of a block's patch features as RGB, per image.
 
-The model is a vit_ls variant (random, `--pretrained` or `--checkpoint` weights), a YAML variant file, or any
-timm ViT with `forward_intermediates` (DINOv2, DeiT-III, eva), built with `dynamic_img_size=True`. Each image
-is resized and normalised by the model's own data config (`timm.data.resolve_data_config`: its
-interpolation, mean and std; the shorter side resized, the longer centre-cropped, as timm's eval transform),
-images of one size run as one batch, and the PCA, colours and foreground are `tools.dense`'s.
+The model is a vit_ls variant (random, `--pretrained` or `--checkpoint` weights, a checkpoint read by the one
+identity rule of every command: `--model` > what it records > its family > its shapes), a YAML variant file,
+or any timm ViT with `forward_intermediates` (DINOv2, DeiT-III, eva), built with `dynamic_img_size=True`.
+The run itself, streamed a batch at a time, is `tools.feature_pictures`'; its memory count `tools.feature_memory`'.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import timm
 import torch
-from safetensors.torch import save
 from timm.data import resolve_data_config
 from torch import nn
-from tqdm import tqdm
 
 from timm_ls.names import is_variant_file
 from timm_ls.paths import image_files
 
-from ..tools.dense import (
-    Foreground,
-    ImagingUnavailable,
-    available_memory,
-    foreground,
-    forward_bytes,
-    largest_side,
-    pca_colours,
-    read_image,
-    side_by_side,
-    target_size,
-    write_png,
-)
-from ..tools.files import write_atomically
+from ..checkpoints.errors import CheckpointError
+from ..checkpoints.write.writers import atomic_destination, staged_into
+from ..tools.dense import available_memory
+from ..tools.feature_memory import Peak, largest_size, peak_bytes, spool_bytes
+from ..tools.feature_pictures import SPOOL_NAME, ImageJob, Spool, draw_all, free_disk, plan_images, run_forwards
 from ..variants import VARIANTS
-from .common import CliError, build, count, load_report, parse_model_kwargs, resolve_variant, warn
+from .common import (
+    CliError,
+    build,
+    build_from_checkpoint,
+    count,
+    load_report,
+    parse_model_kwargs,
+    resolve_variant,
+    warn,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PIL_FILTERS = {"nearest": 0, "bilinear": 2, "bicubic": 3, "lanczos": 1, "box": 4, "hamming": 5}
 
 
 @dataclass
@@ -75,16 +70,20 @@ def _check_vit(name: str, model: nn.Module) -> None:
 
 
 def load_model(args: argparse.Namespace) -> Loaded:
-    """Ours through the commands' one `build`; timm's own ViTs through `timm.create_model`."""
+    """Ours through the commands' one `build` (a checkpoint through the identity rule, `--model` optional);
+    timm's own ViTs through `timm.create_model`."""
     name = args.model
-    if is_variant_file(name) or name.partition(".")[0] in VARIANTS:
-        variant, tag = resolve_variant(name)
+    if name is None or is_variant_file(name) or name.partition(".")[0] in VARIANTS:
         with load_report() as report:
-            model, source = build(args, variant, tag)
+            if args.checkpoint:
+                model, source, name = build_from_checkpoint(args, name)
+            else:
+                variant, tag = resolve_variant(name)
+                model, source = build(args, variant, tag)
+                name = f"{variant.name}.{tag}" if tag else variant.name
         for line in report:
             if line.startswith("warning: "):
                 warn(line.removeprefix("warning: "))
-        name = f"{variant.name}.{tag}" if tag else variant.name
     elif timm.is_model(name.partition(".")[0]):
         with torch.device("meta"):  # the architecture alone, checked before any weights are built or fetched
             _check_vit(name, timm.create_model(name))
@@ -107,135 +106,55 @@ def block_index(text: str, depth: int) -> int:
     return index
 
 
-@dataclass
-class Picture:
-    path: Path
-    image: np.ndarray  # [H, W, 3] uint8, what the model saw
-    pixels: np.ndarray  # [3, H, W] float32, normalised
-
-    @property
-    def pixel_size(self) -> tuple[int, int]:
-        """(height, width) in pixels."""
-        return self.image.shape[0], self.image.shape[1]
-
-
-def read_all(paths: list[Path]) -> list:
-    """Every image, read before the model is built: an unreadable one is refused before any long step."""
-    try:
-        return [read_image(path) for path in paths]
-    except ImagingUnavailable as exc:
-        raise CliError(str(exc)) from None
-
-
-def prepare(path: Path, picture, size: int | None, patch: int, data_cfg: dict) -> Picture:
-    """The image resized (shorter side to `size`), centre-cropped to whole patches and normalised."""
-    if size is not None and size < patch:
-        raise CliError(f"--size {size} is below one patch ({patch} px) of the model; pass --size {patch} or more")
-    (rw, rh), (cw, ch) = target_size(*picture.size, size, patch)
-    if cw < patch or ch < patch:
-        raise CliError(
-            f"{path} is {rw}x{rh} px, smaller than one patch ({patch} px) of the model; pass --size {patch} or more"
-        )
-    if (rw, rh) != picture.size:
-        picture = picture.resize((rw, rh), PIL_FILTERS.get(data_cfg["interpolation"], 3))
-    left, top = (rw - cw) // 2, (rh - ch) // 2
-    image = np.asarray(picture.crop((left, top, left + cw, top + ch)), dtype=np.uint8)
-    mean, std = (np.asarray(data_cfg[k], np.float32)[:, None, None] for k in ("mean", "std"))
-    pixels = (image.transpose(2, 0, 1).astype(np.float32) / 255 - mean) / std
-    return Picture(path, image, pixels)
-
-
-def batches(pictures: list[Picture], batch: int) -> Iterator[list[int]]:
-    """Indices of the pictures, those of one size together, at most `batch` per forward."""
-    by_size: dict[tuple[int, int], list[int]] = {}
-    for i, p in enumerate(pictures):
-        by_size.setdefault(p.image.shape[:2], []).append(i)
-    for group in by_size.values():
-        for start in range(0, len(group), batch):
-            yield group[start : start + batch]
-
-
 def available(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     return available_memory() if device.type == "cpu" else None
 
 
-def plan(loaded: Loaded, pictures: list[Picture], args: argparse.Namespace, device: torch.device) -> str:
-    """What the forwards will take, in one line; a batch that would not fit is refused with the side that does."""
+def weights_bytes(model: nn.Module, element: int) -> int:
+    return sum(t.numel() for t in [*model.parameters(), *model.buffers()]) * element
+
+
+def plan(loaded: Loaded, jobs: list[ImageJob], args: argparse.Namespace, device: torch.device) -> str:
+    """What the run will hold at its peak, in one line; a run that would not fit is refused with the largest
+    --size that does. On a GPU the model's weights count there too (on the CPU they are loaded already)."""
     dim, element = loaded.model.embed_dim, DTYPES[args.dtype].itemsize
+    joint = not args.per_image and len(jobs) > 1
+    weights = weights_bytes(loaded.model, element) if device.type != "cpu" else 0
+
+    def need(planned: list[ImageJob]) -> tuple[int, Peak]:
+        peak = peak_bytes(planned, args.batch, dim, element, loaded.prefix, joint, args.foreground)
+        return weights + peak.bytes, peak
+
+    total, peak = need(jobs)
     free = available(device)
-    worst, worst_bytes = None, 0
-    held = sum(p.image.shape[0] * p.image.shape[1] // loaded.patch**2 * dim * 4 for p in pictures)
-    for group in batches(pictures, args.batch):
-        height, width = pictures[group[0]].image.shape[:2]
-        tokens = (height // loaded.patch) * (width // loaded.patch) + loaded.prefix
-        need = forward_bytes(tokens, dim, len(group), element) + held
-        if free is not None and need > free:
-            aspect = max(height, width) / min(height, width)
-            side = largest_side(free - held, dim, loaded.patch, aspect, loaded.prefix, len(group), element)
-            fix = f"pass --size {side} or less (the largest shorter side that fits)" if side else "free memory"
-            raise CliError(
-                f"{pictures[group[0]].path} at {width}x{height} px is {tokens - loaded.prefix} patches; "
-                f"{count(len(group), 'image')} of it take about {need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB "
-                f"is available; {fix}" + (" or a smaller --batch" if len(group) > 1 else "")
-            )
-        if need > worst_bytes:
-            worst, worst_bytes = (width, height, tokens - loaded.prefix, len(group)), need
-    width, height, patches, n = worst
+    job, n = peak.job, peak.batch
+    if free is not None and total > free:
+        side = largest_size(jobs, lambda planned: need(planned)[0] <= free) if weights < free else 0
+        fix = f"pass --size {side} or less (the largest shorter side that fits)" if side else "free memory"
+        raise CliError(
+            f"{job.path} at {job.crop[0]}x{job.crop[1]} px is {job.patches} patches; {count(n, 'image')} of it "
+            f"take about {total / 2**30:.2f} GiB at the peak ({peak.phase}) and {free / 2**30:.2f} GiB is "
+            f"available; {fix}" + (" or a smaller --batch" if n > 1 else "")
+        )
+    check_disk(jobs, dim, args)
     where = f" of {free / 2**30:.1f} GiB available" if free is not None else ""
     return (
-        f"plan: {count(len(pictures), 'image')}; the largest forward: {count(n, 'image')} of {width}x{height} px "
-        f"({patches} patches each), about {worst_bytes / 2**30:.2f} GiB{where}"
+        f"plan: {count(len(jobs), 'image')}; at the peak ({peak.phase} {count(n, 'image')} of "
+        f"{job.crop[0]}x{job.crop[1]} px, {job.patches} patches each) about {total / 2**30:.2f} GiB{where}"
     )
 
 
-def run_forwards(loaded: Loaded, pictures: list[Picture], layer: int, args, device) -> list[np.ndarray]:
-    """Each picture's patch features `[h * w, C]` (float32) of block `layer`, normed as the last block's."""
-    dtype, features = DTYPES[args.dtype], [np.empty(0)] * len(pictures)
-    with tqdm(total=len(pictures), desc="features", unit="image", file=sys.stderr, disable=None) as bar:
-        for group in batches(pictures, args.batch):
-            x = torch.from_numpy(np.stack([pictures[i].pixels for i in group])).to(device, dtype)
-            with torch.inference_mode():
-                (out,) = loaded.model.forward_intermediates(
-                    x, indices=[layer], norm=True, stop_early=True, output_fmt="NCHW", intermediates_only=True
-                )
-            for i, f in zip(group, out.float().cpu().numpy()):
-                features[i] = f.reshape(f.shape[0], -1).T.copy()
-            bar.update(len(group))
-    return features
-
-
-def _metadata(loaded: Loaded, picture: Picture, layer: int, depth: int) -> dict[str, str]:
-    h, w = (s // loaded.patch for s in picture.pixel_size)
-    return dict(
-        model=loaded.name,
-        source=loaded.source,
-        layer=str(layer),
-        depth=str(depth),
-        grid=f"{h}x{w}",
-        patch_size=str(loaded.patch),
-        input_size=f"{picture.pixel_size[0]}x{picture.pixel_size[1]}",
-        image=str(picture.path),
-        tokens="normed patch tokens, [h, w, C]",
-    )
-
-
-def write_results(out: Path, loaded: Loaded, pictures, features, rgb, layer, args) -> list[str]:
-    out.mkdir(exist_ok=args.overwrite)
-    depth, lines = len(loaded.model.blocks), []
-    for picture, f, colours in zip(pictures, features, rgb):
-        h, w = (s // loaded.patch for s in picture.pixel_size)
-        png = out / f"{picture.path.stem}_pca.png"
-        write_png(png, side_by_side(picture.image, colours, (h, w)))
-        line = f"{picture.path.name}: {picture.pixel_size[1]}x{picture.pixel_size[0]} px, {w}x{h} patches -> {png}"
-        if args.save:
-            tensors = {"features": torch.from_numpy(f.reshape(h, w, -1))}
-            saved = out / f"{picture.path.stem}_features.safetensors"
-            write_atomically(saved, save(tensors, metadata=_metadata(loaded, picture, layer, depth)))
-            line += f", {saved.name}"
-        lines.append(line)
-    return lines
+def check_disk(jobs: list[ImageJob], dim: int, args: argparse.Namespace) -> None:
+    """The spool (and with --save the features) must fit on the destination's disk while the command runs."""
+    spooled = spool_bytes(jobs, dim) * (2 if args.save else 1)
+    disk = free_disk(Path(args.out).absolute().parent)
+    if spooled > disk:
+        raise CliError(
+            f"the features of {count(len(jobs), 'image')} take {spooled / 2**30:.1f} GiB on disk while the command "
+            f"runs and {disk / 2**30:.1f} GiB is free beside {args.out}; pass fewer images or a smaller --size"
+        )
 
 
 def find_device(name: str) -> torch.device:
@@ -250,33 +169,53 @@ def find_device(name: str) -> torch.device:
     return device
 
 
+@contextmanager
+def output_folder(out: Path, overwrite: bool) -> Iterator[Path]:
+    """The folder the results go into, staged beside `out`: a new `out` appears whole, an existing one
+    (--overwrite) gets every file at once; an error or a signal leaves `out` as it was."""
+    try:
+        with staged_into(out) if out.is_dir() and overwrite else atomic_destination(out, folder=True) as staged:
+            yield staged
+    except CheckpointError as exc:
+        raise CliError(str(exc)) from None
+
+
 def execute(args: argparse.Namespace) -> int:
     device = find_device(args.device)
     size = None if args.size == "native" else int(args.size)
     paths = image_files(args.images)
-    raw = read_all(paths)
     torch.manual_seed(0)  # a random-init model gives the same picture on every run
     loaded = load_model(args)
+    jobs = plan_images(paths, size, loaded.patch)
     layer = block_index(args.layer, len(loaded.model.blocks))
     data_cfg = resolve_data_config({}, model=loaded.model)
-    pictures = [prepare(path, picture, size, loaded.patch, data_cfg) for path, picture in zip(paths, raw)]
-    del raw
     print(f"model: {loaded.name}; weights: {loaded.source}")
-    print(plan(loaded, pictures, args, device))
+    print(plan(loaded, jobs, args, device))
     loaded.model.to(device, DTYPES[args.dtype])
-    features = run_forwards(loaded, pictures, layer, args, device)
-    grids = [tuple(s // loaded.patch for s in p.pixel_size) for p in pictures]
-    masks = None
-    if args.foreground:
-        groups = [[i] for i in range(len(pictures))] if args.per_image else [list(range(len(pictures)))]
-        found = [foreground([features[i] for i in g], [grids[i] for i in g]) for g in groups]
-        masks = [m for f in found for m in f.masks]
-        print(Foreground(masks, found[0].threshold).line() + (", each image alone" if args.per_image else ""))
-    rgb = pca_colours(features, masks, joint=not args.per_image)
+    out, joint = Path(args.out), not args.per_image and len(jobs) > 1
+    with output_folder(out, args.overwrite) as staged:
+        spool = Spool(staged / SPOOL_NAME)
+        try:
+            streamed = run_forwards(
+                loaded.model,
+                jobs,
+                layer,
+                data_cfg,
+                batch=args.batch,
+                dtype=DTYPES[args.dtype],
+                device=device,
+                spool=spool,
+                joint=joint,
+            )
+            about = dict(model=loaded.name, source=loaded.source, layer=str(layer), depth=str(len(loaded.model.blocks)))
+            lines = draw_all(staged, jobs, streamed, masked=args.foreground, save=args.save, about=about)
+        finally:
+            spool.close()
+    fitted = "per image" if not joint else f"fitted on all {len(jobs)} images together"
     print(
         f"features: block {layer} of {len(loaded.model.blocks)} (0-based), normed patch tokens (the "
-        f"{loaded.prefix} prefix tokens left out); PCA "
-        + ("per image" if args.per_image or len(pictures) == 1 else f"fitted on all {len(pictures)} images together")
+        f"{loaded.prefix} prefix tokens left out); PCA {fitted}"
     )
-    print("\n".join(write_results(Path(args.out), loaded, pictures, features, rgb, layer, args)))
+    print("\n".join(lines))
+    print(f"wrote {out}")
     return 0

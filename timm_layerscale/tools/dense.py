@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import importlib.util
 import io
-import math
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,18 +76,47 @@ class Pca:
         return (np.asarray(features, np.float64) - self.mean) @ self.components.T / self.scales
 
 
+class PcaFit:
+    """A PCA fitted as patches stream by: their count, mean and scatter matrix in float64, merged chunk by chunk
+    (Chan, Golub and LeVeque's pairwise update), so it holds `C x C` numbers however many patches it sees."""
+
+    def __init__(self, dim: int) -> None:
+        self.count = 0
+        self.mean = np.zeros(dim)
+        self.scatter = np.zeros((dim, dim))
+
+    def add(self, features: np.ndarray) -> None:
+        """Adds the patches `[N, C]`."""
+        x = np.asarray(features, np.float64)
+        if len(x) == 0:
+            return
+        mean = x.mean(0)
+        centred = x - mean
+        delta, total = mean - self.mean, self.count + len(x)
+        self.scatter += centred.T @ centred + np.outer(delta, delta) * (self.count * len(x) / total)
+        self.mean += delta * (len(x) / total)
+        self.count = total
+
+    def pca(self, components: int = COMPONENTS) -> Pca:
+        """The whitened PCA of every patch added (at least 2); each component's largest loading positive."""
+        if self.count < 2:
+            raise ValueError(f"a PCA needs at least 2 patches of features; got {self.count}")
+        values, vectors = np.linalg.eigh(self.scatter)  # ascending
+        k = min(components, self.count, len(values))
+        values, vt = values[::-1][:k], vectors[:, ::-1][:, :k].T
+        signs = np.sign(vt[np.arange(k), np.abs(vt).argmax(1)])
+        scales = np.sqrt(np.clip(values, 0, None) / (self.count - 1))
+        return Pca(self.mean.copy(), vt * signs[:, None], np.where(scales > 0, scales, 1.0))
+
+
 def fit_pca(features: np.ndarray, components: int = COMPONENTS) -> Pca:
-    """The whitened PCA of `features` `[N, C]` (N >= 2), by SVD; each component's largest loading positive."""
-    x = np.asarray(features, np.float64)
+    """The whitened PCA of `features` `[N, C]` (N >= 2); each component's largest loading positive."""
+    x = np.asarray(features)
     if x.ndim != 2 or len(x) < 2:
         raise ValueError(f"a PCA needs at least 2 patches of features [N, C]; got shape {x.shape}")
-    mean = x.mean(0)
-    _, singular, vt = np.linalg.svd(x - mean, full_matrices=False)
-    k = min(components, len(singular))
-    vt = vt[:k]
-    signs = np.sign(vt[np.arange(k), np.abs(vt).argmax(1)])
-    scales = singular[:k] / math.sqrt(len(x) - 1)
-    return Pca(mean, vt * signs[:, None], np.where(scales > 0, scales, 1.0))
+    fit = PcaFit(x.shape[1])
+    fit.add(x)
+    return fit.pca(components)
 
 
 def colours(projected: np.ndarray) -> np.ndarray:
@@ -107,27 +136,37 @@ def border(grid: tuple[int, int]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Foreground:
-    masks: list[np.ndarray]  # per image, flat boolean `[h * w]`
-    threshold: float
+    kept: int  # foreground patches, over all images
+    total: int
+    threshold: float = FOREGROUND_THRESHOLD
 
     def line(self) -> str:
-        kept = sum(int(m.sum()) for m in self.masks)
-        total = sum(m.size for m in self.masks)
         return (
             f"foreground: DINOv2's rule, the first PCA component > {self.threshold:g} (whitened; its sign makes the "
-            f"image borders background): {kept} of {total} patches ({kept / max(total, 1):.0%})"
+            f"image borders background): {self.kept} of {self.total} patches ({self.kept / max(self.total, 1):.0%})"
         )
 
 
-def foreground(features: Sequence[np.ndarray], grids: Sequence[tuple[int, int]]) -> Foreground:
+def border_votes(first: Pca, features: np.ndarray, grid: tuple[int, int]) -> tuple[int, int]:
+    """Of an image's border patches: how many score above the threshold on `first`, and how many there are."""
+    edge = first.project(features[border(grid)])[:, 0]
+    return int((edge > FOREGROUND_THRESHOLD).sum()), len(edge)
+
+
+def foreground_mask(first: Pca, features: np.ndarray, flip: bool) -> np.ndarray:
+    """The foreground patches of an image, flat boolean: above the threshold on `first`, its sign flipped when
+    most border patches score above it."""
+    scores = first.project(features)[:, 0]
+    return (-scores if flip else scores) > FOREGROUND_THRESHOLD
+
+
+def foreground(features: Sequence[np.ndarray], grids: Sequence[tuple[int, int]]) -> list[np.ndarray]:
     """DINOv2's foreground over these images together: the first component of their PCA above the threshold,
     on the side that holds fewer border patches."""
     first = fit_pca(np.concatenate(features), components=1)
-    scores = [first.project(f)[:, 0] for f in features]
-    edge = np.concatenate([s[border(g)] for s, g in zip(scores, grids)])
-    flip = (edge > FOREGROUND_THRESHOLD).mean() > 0.5
-    masks = [(-s if flip else s) > FOREGROUND_THRESHOLD for s in scores]
-    return Foreground(masks, FOREGROUND_THRESHOLD)
+    votes = [border_votes(first, f, g) for f, g in zip(features, grids)]
+    flip = sum(v[0] for v in votes) / sum(v[1] for v in votes) > 0.5
+    return [foreground_mask(first, f, flip) for f in features]
 
 
 def pca_colours(
@@ -170,10 +209,27 @@ def target_size(width: int, height: int, size: int | None, patch: int) -> tuple[
     return resized, (resized[0] // patch * patch, resized[1] // patch * patch)
 
 
+def image_size(path: Path) -> tuple[int, int]:
+    """The `(width, height)` an image file's header states, its data checked whole (PIL's `verify`, which
+    decodes nothing), before any pixel is held; any problem is a `ValueError` naming the file and the fix."""
+    with _opened(path) as img:
+        size = img.size
+        img.verify()
+    return size
+
+
 def read_image(path: Path):
     """The image at `path` as RGB (PIL), its size checked from the header before it is decoded; 16-bit, 32-bit
     integer and float images scaled to 8 bits by their own range, as image viewers show them. Anything else is
     a `ValueError` naming the file and the fix."""
+    with _opened(path) as img:
+        return _by_range(img, _pil()) if img.mode in WIDE_MODES else img.convert("RGB")
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator:
+    """The image file open (its header read, nothing decoded), within the pixel limit; PIL's errors and its
+    size warning become one `ValueError` naming the file."""
     image_cls = _pil()
     try:
         with warnings.catch_warnings():  # the size is ours to judge, in one line (PIL's warning, then its error)
@@ -181,13 +237,15 @@ def read_image(path: Path):
             with image_cls.open(path) as img:
                 if img.width * img.height > MAX_IMAGE_PIXELS:
                     raise image_cls.DecompressionBombError(f"{img.width}x{img.height} px")
-                return _by_range(img, image_cls) if img.mode in WIDE_MODES else img.convert("RGB")
+                yield img
     except image_cls.DecompressionBombError as exc:
         raise ValueError(
             f"image {path} is too large ({_bomb_size(str(exc))}); at most {MAX_IMAGE_PIXELS:,} pixels "
             f"are read: downscale it first"
         ) from None
-    except OSError as exc:  # PIL's UnidentifiedImageError is an OSError
+    except (OSError, SyntaxError, ValueError) as exc:  # UnidentifiedImageError is an OSError; verify's SyntaxError
+        if str(exc).startswith(f"image {path} "):
+            raise
         raise ValueError(f"cannot read image {path} ({' '.join(str(exc).split())}); pass a PNG or JPEG file") from None
 
 
@@ -228,13 +286,17 @@ def largest_side(
 ) -> int:
     """The largest shorter side (a multiple of `patch`) whose forward fits in `available` bytes, 0 if none does;
     `aspect` is the longer side over the shorter."""
+    return largest_side_where(
+        lambda patches: forward_bytes(patches + prefix, embed_dim, batch, element_size) <= available, patch, aspect
+    )
+
+
+def largest_side_where(fits: Callable[[int], bool], patch: int, aspect: float) -> int:
+    """The largest shorter side (a multiple of `patch`) at which `fits(patches of the image)`, 0 if none."""
     side = 0
-    while True:
-        nxt = side + patch
-        tokens = (nxt // patch) * int(nxt * aspect // patch) + prefix
-        if forward_bytes(tokens, embed_dim, batch, element_size) > available:
-            return side
-        side = nxt
+    while fits((side + patch) // patch * int((side + patch) * aspect // patch)):
+        side += patch
+    return side
 
 
 def available_memory(meminfo: Path = MEMINFO) -> int | None:

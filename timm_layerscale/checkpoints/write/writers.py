@@ -215,6 +215,27 @@ def atomic_destination(
         raise
 
 
+@contextmanager
+def staged_into(folder: Path) -> Iterator[Path]:
+    """A staging folder whose files are moved into the existing `folder` when the block completes, as one group
+    (`_replace_group`: the old files of those names kept aside until every new one is in place); the folder's
+    other files are left as they are. A failed or interrupted write leaves `folder` as it was."""
+    folder = Path(folder)
+    stage = folder.with_name(STAGING.format(name=folder.name, token=uuid.uuid4().hex[:8]))
+    try:
+        stage.mkdir()
+        staged = stage / folder.name
+        staged.mkdir()
+        yield staged
+        names = sorted(p.name for p in staged.iterdir())
+        for name in names:
+            os.replace(staged / name, stage / name)
+        _replace_group(stage, folder, names)
+    finally:
+        with deferred():
+            _remove(stage)
+
+
 def _replace_group(stage: Path, parent: Path, names: Sequence[str]) -> None:
     """Moves the staged `names` into `parent`, the old ones aside first and back again if a move fails or is
     interrupted. Where to undo is read from the folders, not from what was recorded: a signal may come between
