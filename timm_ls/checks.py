@@ -183,7 +183,8 @@ def check_features(args: argparse.Namespace) -> None:
         stems[image.stem] = image
     if args.model is None and not args.checkpoint:
         raise CliError(
-            "--model: pass the model to run (a vit_ls NAME[.TAG], a YAML variant file or a timm ViT), or --checkpoint PATH"
+            "--model: pass the model to run (a vit_ls NAME[.TAG], a YAML variant file or a timm ViT), "
+            "or --checkpoint PATH"
         )
     if args.model is not None:
         _model_source(args.model, VARIANT_FILE)
