@@ -56,7 +56,8 @@ def interrupted_line(args: argparse.Namespace, written: object = None) -> str:
     came once the new one was in place (`written`)."""
     if written is not None:
         return f"timm-ls: interrupted; {written} had been written"
-    dst = getattr(args, "dst", None) if args.command in ("convert", "export") else None
+    dst = {"convert": "dst", "export": "dst", "features": "out"}.get(args.command)
+    dst = getattr(args, dst, None) if dst else None
     return "timm-ls: interrupted" + (f"; nothing was written to {dst}" if dst else "")
 
 
