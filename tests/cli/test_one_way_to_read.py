@@ -45,7 +45,7 @@ def written(request, tmp_path_factory):
 
 
 def test_every_command_reads_each_layout_and_features_draws_one_picture(written, tmp_path, capsys):
-    root, name, kwargs, files = written
+    root, name, _, files = written
     pictures = {}
     for layout, checkpoint in files.items():
         out = tmp_path / layout
