@@ -118,7 +118,7 @@ def fuzzed_image(path, rng):
     image = (
         Image.fromarray(array).convert(mode)
         if mode not in ("I;16", "I", "F")
-        else Image.fromarray((array.astype({"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]) * 257))
+        else Image.fromarray(array.astype({"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]) * 257)
     )
     suffixes = {"I": [".tiff"], "F": [".tiff"], "CMYK": [".tiff", ".jpg"], "I;16": [".png", ".tiff"]}
     suffix = str(rng.choice(suffixes.get(mode, [".png", ".tiff", ".jpg"])))
