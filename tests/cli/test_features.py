@@ -18,6 +18,7 @@ from torchvision.transforms.functional import normalize, to_tensor
 
 from timm_layerscale.cli import features as command
 from timm_layerscale.tools import dense
+from timm_layerscale.tools import feature_memory as memory
 from timm_layerscale.tools import feature_pictures as pictures
 from timm_ls.main import main
 
@@ -170,26 +171,25 @@ def test_the_sign_rule_makes_the_largest_loading_positive():
 
 
 def test_the_estimate_is_linear_in_tokens_and_the_largest_side_fits():
-    one = dense.forward_bytes(1000, 384)
-    assert dense.forward_bytes(2000, 384) - one == one - dense.FORWARD_FIXED_BYTES
-    assert dense.forward_bytes(1000, 384, element_size=2) < one < dense.forward_bytes(1000, 384, batch=2)
-    available = 2 * 2**30
-    side = dense.largest_side(available, 768, 16, 1.5, 5)
-    tokens = lambda s: (s // 16) * int(s * 1.5 // 16) + 5  # noqa: E731
+    one = memory.forward_bytes(1000, 384)
+    assert memory.forward_bytes(2000, 384) - one == one - memory.INTERMEDIATES_FIXED_BYTES
+    assert memory.forward_bytes(1000, 384, element_size=2) < one < memory.forward_bytes(1000, 384, batch=2)
+    side = dense.largest_side_where(lambda patches: patches <= 1000, 16, 1.5)
+    tokens = lambda s: (s // 16) * int(s * 1.5 // 16)  # noqa: E731
     assert side % 16 == 0 and side > 0
-    assert dense.forward_bytes(tokens(side), 768) <= available < dense.forward_bytes(tokens(side + 16), 768)
+    assert tokens(side) <= 1000 < tokens(side + 16)
 
 
 def test_mem_available_is_read_from_meminfo(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
-    assert dense.available_memory(tmp_path / "meminfo") == 2048 * 1024
-    assert dense.available_memory(tmp_path / "absent") is None
+    assert memory.available_memory(tmp_path / "meminfo") == 2048 * 1024
+    assert memory.available_memory(tmp_path / "absent") is None
 
 
 def test_too_large_for_memory_is_refused_with_the_largest_size_that_fits(weights, tmp_path, capsys, monkeypatch):
     _, file = weights[OURS]
     image = draw_image(tmp_path / "a.png", (128, 96), 1)  # at --size 1024: 1360x1024 px, 85x64 patches
-    free = dense.forward_bytes(2000, 384)
+    free = memory.forward_bytes(2000, 384)
     monkeypatch.setattr(command, "available_memory", lambda: free)
     args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
     assert main([*args, "--size", "1024", "--out", str(tmp_path / "out")]) == 2

@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from support import move_off_init_
 
-from timm_layerscale.tools import dense, feature_memory, feature_pictures
+from timm_layerscale.tools import feature_memory, feature_pictures
 from timm_ls.main import main
 
 OURS = "vit_ls_small_patch16_dinov3"
@@ -104,7 +104,7 @@ def test_the_memory_count_grows_with_the_batch_and_the_model_width():
     assert peak(1, 384) < peak(8, 384) and peak(1, 384) < peak(1, 1024)
     # A forward of 8 images counts the fitted formula for 8 and every image's pixels.
     forward = feature_memory.forward_phase_bytes(jobs[0], 8, 384, 4, 5, True)
-    assert forward > dense.forward_bytes(jobs[0].patches + 5, 384, 8) + 8 * 3 * jobs[0].pixels * 4
+    assert forward > feature_memory.forward_bytes(jobs[0].patches + 5, 384, 8) + 8 * 3 * jobs[0].pixels * 4
 
 
 MODES = ["1", "L", "LA", "P", "RGB", "RGBA", "CMYK", "I;16", "I", "F"]

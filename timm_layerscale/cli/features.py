@@ -25,8 +25,7 @@ from timm_ls.paths import image_files
 
 from ..checkpoints.errors import CheckpointError
 from ..checkpoints.write.writers import atomic_destination, staged_into
-from ..tools.dense import available_memory
-from ..tools.feature_memory import Peak, largest_size, peak_bytes, spool_bytes
+from ..tools.feature_memory import Peak, available_memory, largest_size, peak_bytes, spool_bytes
 from ..tools.feature_pictures import SPOOL_NAME, ImageJob, Spool, draw_all, free_disk, plan_images, run_forwards
 from ..variants import VARIANTS
 from .common import (
@@ -116,29 +115,32 @@ def weights_bytes(model: nn.Module, element: int) -> int:
     return sum(t.numel() for t in [*model.parameters(), *model.buffers()]) * element
 
 
+def need(loaded: Loaded, jobs: list[ImageJob], args: argparse.Namespace, device: torch.device) -> tuple[int, Peak]:
+    """The bytes the run will hold at its peak above what is held now, and where that peak is."""
+    element = DTYPES[args.dtype].itemsize
+    joint = not args.per_image and len(jobs) > 1
+    peak = peak_bytes(jobs, args.batch, loaded.model.embed_dim, element, loaded.prefix, joint, args.foreground)
+    weights = weights_bytes(loaded.model, element) if device.type != "cpu" else 0
+    return weights + peak.bytes, peak
+
+
 def plan(loaded: Loaded, jobs: list[ImageJob], args: argparse.Namespace, device: torch.device) -> str:
     """What the run will hold at its peak, in one line; a run that would not fit is refused with the largest
     --size that does. On a GPU the model's weights count there too (on the CPU they are loaded already)."""
-    dim, element = loaded.model.embed_dim, DTYPES[args.dtype].itemsize
-    joint = not args.per_image and len(jobs) > 1
-    weights = weights_bytes(loaded.model, element) if device.type != "cpu" else 0
-
-    def need(planned: list[ImageJob]) -> tuple[int, Peak]:
-        peak = peak_bytes(planned, args.batch, dim, element, loaded.prefix, joint, args.foreground)
-        return weights + peak.bytes, peak
-
-    total, peak = need(jobs)
+    weights = weights_bytes(loaded.model, DTYPES[args.dtype].itemsize) if device.type != "cpu" else 0
+    total, peak = need(loaded, jobs, args, device)
     free = available(device)
     job, n = peak.job, peak.batch
     if free is not None and total > free:
-        side = largest_size(jobs, lambda planned: need(planned)[0] <= free) if weights < free else 0
+        fits = lambda planned: need(loaded, planned, args, device)[0] <= free  # noqa: E731
+        side = largest_size(jobs, fits) if weights < free else 0
         fix = f"pass --size {side} or less (the largest shorter side that fits)" if side else "free memory"
         raise CliError(
             f"{job.path} at {job.crop[0]}x{job.crop[1]} px is {job.patches} patches; {count(n, 'image')} of it "
             f"take about {total / 2**30:.2f} GiB at the peak ({peak.phase}) and {free / 2**30:.2f} GiB is "
             f"available; {fix}" + (" or a smaller --batch" if n > 1 else "")
         )
-    check_disk(jobs, dim, args)
+    check_disk(jobs, loaded.model.embed_dim, args)
     where = f" of {free / 2**30:.1f} GiB available" if free is not None else ""
     return (
         f"plan: {count(len(jobs), 'image')}; at the peak ({peak.phase} {count(n, 'image')} of "
@@ -186,7 +188,11 @@ def execute(args: argparse.Namespace) -> int:
     paths = image_files(args.images)
     torch.manual_seed(0)  # a random-init model gives the same picture on every run
     loaded = load_model(args)
-    jobs = plan_images(paths, size, loaded.patch)
+    return run(args, loaded, plan_images(paths, size, loaded.patch), device)
+
+
+def run(args: argparse.Namespace, loaded: Loaded, jobs: list[ImageJob], device: torch.device) -> int:
+    """The planned run of a loaded model: the plan said, the forwards, the pictures staged, then in place."""
     layer = block_index(args.layer, len(loaded.model.blocks))
     data_cfg = resolve_data_config({}, model=loaded.model)
     print(f"model: {loaded.name}; weights: {loaded.source}")

@@ -1,4 +1,4 @@
-"""Dense features made visible: the PCA of patch features as RGB, the foreground, and the memory a forward takes.
+"""Dense features made visible: the PCA of patch features as RGB, the foreground, and the images read.
 
 numpy only (no torch): the command hands over each image's patch features as `[h * w, C]` float arrays.
 
@@ -33,12 +33,6 @@ from .files import write_atomically
 
 COMPONENTS = 3
 FOREGROUND_THRESHOLD = 0.0  # on the first whitened component: above it (sign fixed as said) is foreground
-# Fitted by benchmarks/dense_memory.py to the peak RssAnon of ours' forward_features (fp32, CPU, ViT-S/16 and
-# ViT-B/16 at sides 512 to 2048; BENCHMARKS.md section 12): peak = FORWARD_FIXED_BYTES + this * tokens *
-# embed_dim * batch, for 4-byte activations; half precision halves the per-token term.
-FORWARD_BYTES_PER_ELEMENT = 78.3
-FORWARD_FIXED_BYTES = 48 * 2**20
-MEMINFO = Path("/proc/meminfo")
 
 
 class ImagingUnavailable(Exception):
@@ -271,39 +265,9 @@ def write_png(path: Path, pixels: np.ndarray) -> None:
     write_atomically(path, buffer.getvalue())
 
 
-# ----------------------------------------------------------------------------------------------- memory
-
-
-def forward_bytes(tokens: int, embed_dim: int, batch: int = 1, element_size: int = 4) -> int:
-    """The peak memory a forward over `batch` images of `tokens` tokens takes above its weights, by the formula
-    fitted to benchmarks/dense_memory.py (linear in tokens: attention runs in SDPA's fused kernels)."""
-    per_token = FORWARD_BYTES_PER_ELEMENT * embed_dim * element_size / 4
-    return int(FORWARD_FIXED_BYTES + per_token * tokens * batch)
-
-
-def largest_side(
-    available: int, embed_dim: int, patch: int, aspect: float, prefix: int, batch: int = 1, element_size: int = 4
-) -> int:
-    """The largest shorter side (a multiple of `patch`) whose forward fits in `available` bytes, 0 if none does;
-    `aspect` is the longer side over the shorter."""
-    return largest_side_where(
-        lambda patches: forward_bytes(patches + prefix, embed_dim, batch, element_size) <= available, patch, aspect
-    )
-
-
 def largest_side_where(fits: Callable[[int], bool], patch: int, aspect: float) -> int:
     """The largest shorter side (a multiple of `patch`) at which `fits(patches of the image)`, 0 if none."""
     side = 0
     while fits((side + patch) // patch * int((side + patch) * aspect // patch)):
         side += patch
     return side
-
-
-def available_memory(meminfo: Path = MEMINFO) -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where there is no such file (not Linux)."""
-    try:
-        text = meminfo.read_text()
-    except OSError:
-        return None
-    match = re.search(r"^MemAvailable:\s+(\d+)\s*kB", text, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else None
