@@ -204,7 +204,7 @@ def hold_staging(stage: Path) -> int:
             with suppress(OSError):  # a filesystem without locks: the folder can then never be taken for stale
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, f"{MARK}\npid {os.getpid()}\nstarted {_start_time(os.getpid())}\n".encode())
-        os.replace(unnamed, stage / MARKER)
+        os.rename(unnamed, stage / MARKER)  # a new name in a new folder: nothing to replace
     except BaseException:
         if fd is not None:
             os.close(fd)
