@@ -29,10 +29,12 @@ from .checkpoints.dtypes import cast_dtype
 from .checkpoints.errors import CheckpointError
 from .checkpoints.formats import Format, Job, WritePlan, target_format
 from .checkpoints.mapping.fit import Fitted, fit_to_model
+from .checkpoints.mapping.layer_scale import branches_with_layer_scale
 from .checkpoints.mapping.plan import PERIODS, Plan, cast_plan, dominant_dtype
 from .checkpoints.read.reader import LazyCheckpoint, open_checkpoint
 from .checkpoints.write.writers import atomic_destination
 from .identity import IdentifiedModel, expected_state, identify_checkpoint
+from .variants import VARIANTS
 
 __all__ = ["Conversion", "Planned", "convert_checkpoint", "plan_conversion"]
 
@@ -205,6 +207,12 @@ def _plan(
     return Planned(found.format, found.model, fitted, write_plan)
 
 
+def _variant_layer_scale(name: str) -> tuple[str, ...]:
+    """The branches the registered variant `name` has LayerScale on (none for a YAML file's)."""
+    variant = VARIANTS.get(name)
+    return branches_with_layer_scale(variant.config.layer_init_values) if variant else ()
+
+
 def _checked_request(
     dst: Path, to: str, dtype: str | None, weights: str, options: Mapping[str, Any], overwrite: bool | None
 ) -> _Request:
@@ -236,6 +244,7 @@ def _planned(
         model_name=identity.name,
         config=identity.config,
         fill_dtype=fill_dtype,
+        variant_layer_scale=_variant_layer_scale(identity.name),
     )
     job = Job(
         tensors=cast_plan(fitted.plan, request.cast, keep=[PERIODS]),

@@ -6,20 +6,37 @@ written or a file where a folder is, and not exist unless it may be replaced. A 
 while every file in it is one its format writes, and no destination may be or hold the current folder or the
 source. The command checks it before torch loads, the package's writers again before they write: both with
 `destination_problem`.
+
+A writer stages its files in a folder beside the destination (`STAGING`), made with a marker file locked for the
+write's life (`hold_staging`); the next write of the same destination removes a staging folder whose marker
+it can lock, one that a killed write left (`remove_stale_staging`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from fnmatch import fnmatchcase
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows has no flock: staging is then never found stale, and is left as before
+    fcntl = None
 
 from .names import FILE_OR_FOLDER, FILE_SUFFIXES, OWN_BY_CONTENT, FormatSpec, suffix_of
 
 # Where a writer stages `NAME` (beside it, hidden) and, inside that, keeps the file it replaces.
 STAGING, KEPT = ".{name}.tmp-{token}", ".old-{name}"
 STAGING_PATTERN = STAGING.format(name="*", token="?" * 8)
+TOKEN_CHARS = frozenset("0123456789abcdef")
+# Made first in every staging folder, holding MARK, and locked (flock) while the write runs: the kernel drops
+# the lock when the writer ends, however it ends (SIGKILL, a crash, a power cut), so a marked folder whose lock
+# can be taken is one a killed write left. The writer's pid and start time in it are for people to read.
+MARKER, MARK = ".timm-ls-write", "timm-layerscale staging folder"
 
 
 def destination_problem(
@@ -91,23 +108,31 @@ def held_problem(dst: Path, sources: Sequence[str | Path] = ()) -> str | None:
 
 
 def is_ours(name: str, ours: Sequence[str], folder: bool = False) -> bool:
-    """Whether the entry `name` of a destination folder is one a writer of the files `ours` replaces: a file
-    with one of their names (patterns), or a staging file or folder an interrupted writer left."""
-    return fnmatchcase(name, STAGING_PATTERN) or (not folder and any(fnmatchcase(name, p) for p in ours))
+    """Whether the entry `name` of a destination folder is named as one a writer of the files `ours` replaces:
+    a file with one of their names (patterns), or a staging folder (which is ours only when a killed write of
+    this package left it: `foreign_entries` looks inside)."""
+    if fnmatchcase(name, STAGING_PATTERN):
+        return folder
+    return not folder and any(fnmatchcase(name, p) for p in ours)
 
 
 def foreign_entries(folder: Path, ours: Sequence[str]) -> list[str]:
     """The entries of an existing `folder` that are not `ours`, files first, then subfolders (named with a
-    trailing `/`). A link to a folder is replaced, never looked into: nothing under it counts."""
+    trailing `/`). A link to a folder is replaced, never looked into: nothing under it counts. A staging
+    folder is ours only when its marker shows that a killed write of this package left it."""
     if not folder.is_dir() or folder.is_symlink():
         return []
     with os.scandir(folder) as entries:
         found = sorted((e.is_dir(follow_symlinks=False), e.name) for e in entries)
-    return [
-        name + "/" * is_dir
-        for is_dir, name in found
-        if not is_ours(name, ours, is_dir) or (name in OWN_BY_CONTENT and not _marked(folder / name, name))
-    ]
+    return [name + "/" * is_dir for is_dir, name in found if not _ours_by_content(folder, name, ours, is_dir)]
+
+
+def _ours_by_content(folder: Path, name: str, ours: Sequence[str], is_dir: bool) -> bool:
+    if not is_ours(name, ours, is_dir):
+        return False
+    if is_dir:
+        return is_stale_staging(folder / name)
+    return name not in OWN_BY_CONTENT or _marked(folder / name, name)
 
 
 def _marked(path: Path, name: str, head: int = 4096) -> bool:
@@ -154,3 +179,124 @@ def format_destination_problem(
         ours=spec.files,
         sources=sources,
     )
+
+
+# ------------------------------------------------------------------------------------------------ staging
+
+
+def staging_of(name: str, entry: str) -> bool:
+    """Whether `entry` is named as a staging folder of a write of `name` (`.NAME.tmp-` and 8 hex digits)."""
+    prefix = f".{name}.tmp-"
+    token = entry[len(prefix) :]
+    return entry.startswith(prefix) and len(token) == 8 and set(token) <= TOKEN_CHARS
+
+
+def hold_staging(stage: Path) -> int:
+    """Makes the staging folder `stage` and its marker, locked until the returned descriptor is closed or the
+    process ends: while it is held, no other write takes the folder for stale. The marker gets its name only
+    once locked, so a folder is never seen marked and unlocked while its write runs."""
+    stage.mkdir()
+    unnamed = stage / f"{MARKER}.new"
+    fd = None
+    try:
+        fd = os.open(unnamed, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        if fcntl is not None:
+            with suppress(OSError):  # a filesystem without locks: the folder can then never be taken for stale
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{MARK}\npid {os.getpid()}\nstarted {_start_time(os.getpid())}\n".encode())
+        os.rename(unnamed, stage / MARKER)  # a new name in a new folder: nothing to replace
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return fd
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time (clock ticks after boot, /proc/PID/stat's 22nd field), which a reused pid lacks."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return "unknown"
+    return f"{fields[19]} ticks after boot"
+
+
+def _stale_marker(stage: Path) -> int | None:
+    """The marker of `stage`, open and locked, when this package made the folder and no running write holds
+    it; else None (not ours, a live write's, or a filesystem that cannot tell)."""
+    try:
+        fd = os.open(stage / MARKER, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        if fcntl is not None and os.read(fd, len(MARK)) == MARK.encode():
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_nlink:  # not removed by its writer, which was finishing as we looked
+                return fd
+    except OSError:  # held by a running write (BlockingIOError), or no locks here
+        pass
+    os.close(fd)
+    return None
+
+
+def is_stale_staging(stage: Path) -> bool:
+    """Whether the folder `stage` is staging a killed write of this package left: marked, and unlocked."""
+    if stage.is_symlink() or not stage.is_dir():
+        return False
+    fd = _stale_marker(stage)
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+def _say(line: str) -> None:
+    print(f"timm-ls: {line}", file=sys.stderr)
+
+
+def remove_stale_staging(dst: str | Path, say: Callable[[str], object] = _say) -> list[str]:
+    """Removes the staging folders beside `dst` that killed writes of `dst` left, each said in one line (on
+    stderr by default). What such a write had set aside (`.old-NAME`) and left no NAME in place of is put back
+    first, as its own clean-up would have done; returns those names. A folder named as staging that was not
+    made by this package, or that a running write holds, is left as it is."""
+    dst = Path(dst)
+    restored = []
+    with os.scandir(dst.parent) as entries:
+        found = sorted(e.name for e in entries if staging_of(dst.name, e.name) and e.is_dir(follow_symlinks=False))
+    for name in found:
+        stage = dst.parent / name
+        fd = _stale_marker(stage)
+        if fd is None:
+            continue
+        try:
+            size = _tree_size(stage)
+            back = _put_back(stage, dst.parent)
+            shutil.rmtree(stage)
+        finally:
+            os.close(fd)
+        restored += back
+        again = f"; put back {', '.join(back)}, which it had set aside" if back else ""
+        say(f"removed stale staging {name} ({_size(size)}) left by a write that was killed{again}")
+    return restored
+
+
+def _put_back(stage: Path, parent: Path) -> list[str]:
+    """Moves each `.old-NAME` in `stage` back to `parent / NAME` where nothing is there; the names moved."""
+    prefix = KEPT.format(name="")
+    back = []
+    for kept in sorted(stage.iterdir()):
+        target = parent / kept.name[len(prefix) :]
+        if kept.name.startswith(prefix) and not (target.exists() or target.is_symlink()):
+            os.replace(kept, target)
+            back.append(target.name)
+    return back
+
+
+def _tree_size(folder: Path) -> int:
+    return sum(os.lstat(os.path.join(root, name)).st_size for root, _, names in os.walk(folder) for name in names)
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 10**9:
+        return f"{nbytes / 10**9:.1f} GB"
+    return f"{nbytes / 10**6:.0f} MB" if nbytes >= 10**6 else f"{nbytes / 10**3:.0f} kB"

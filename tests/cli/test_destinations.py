@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import timm
 from safetensors.torch import save_file
 from support import TINY, move_off_init_
+from support.writes import frozen_when, held_staging, killed_staging, signal_frozen, start, vit_b, writing
 
 from timm_layerscale import convert_checkpoint, save_for_hub, save_native
 from timm_layerscale.checkpoints import CheckpointError
@@ -166,8 +165,7 @@ def test_a_folder_of_ours_is_replaced_and_old_files_of_ours_go(source: Path, tmp
     """Shards a new unsharded write has no use for, and the staging folder an earlier write left, are removed."""
     dst = tmp_path / "hf"
     convert_to(source, dst, "hf", max_shard_size=20_000)
-    (dst / ".model.safetensors.tmp-0123abcd").mkdir()  # left by a killed write of a file in it
-    (dst / ".model.safetensors.tmp-0123abcd" / "model.safetensors").write_text("partial")
+    killed_staging(dst / ".model.safetensors.tmp-0123abcd")  # left by a killed write of a file in it
     assert len(list(dst.glob("model-*-of-*.safetensors"))) > 2
     code, _, err = run(capsys, "convert", str(source), str(dst), "--to", "hf", "--overwrite", *SMALL)
     assert code == 0, err
@@ -222,6 +220,30 @@ def test_ablate_still_writes_into_the_current_folder(tmp_path: Path, monkeypatch
 # ---------------------------------------------------------------------------------------- interruptions
 
 
+def test_a_staging_folder_in_a_destination_is_ours_only_when_a_killed_write_of_ours_left_it(
+    source: Path, tmp_path: Path, capsys
+) -> None:
+    """Named as staging is not enough: one without our marker, or one a running write holds, is refused."""
+    dst = tmp_path / "out"
+    convert_to(source, dst, "native")
+    (dst / ".model.safetensors.tmp-4567cdef").mkdir()  # a look-alike: no marker
+    (dst / ".model.safetensors.tmp-4567cdef" / "model.safetensors").write_text("someone's")
+    writer = held_staging(dst / ".config.json.tmp-89abcdef")
+    try:
+        before = snapshot(tmp_path)
+        code, out, err = run(capsys, "convert", str(source), str(dst), "--to", "native", "--overwrite", *SMALL)
+        assert_refused(
+            code, out, err, f"{dst} holds .config.json.tmp-89abcdef/ and 1 other, which --to native does not write"
+        )
+        assert snapshot(tmp_path) == before
+    finally:
+        writer.communicate("")
+    shutil.rmtree(dst / ".model.safetensors.tmp-4567cdef")
+    code, _, err = run(capsys, "convert", str(source), str(dst), "--to", "native", "--overwrite", *SMALL)
+    assert code == 0, err  # the writer ended: what it left is a killed write's, and goes with the old folder
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_an_interrupted_swap_puts_the_old_folder_back(source: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     """A signal between moving the old folder aside and the new one in: the old one is back, in one line."""
     dst = tmp_path / "out"
@@ -253,21 +275,7 @@ def test_a_signal_waits_for_the_end_of_a_deferred_block() -> None:
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ViT-B/16 (width 768, depth 12) with random weights: its meta-train DCP folder takes seconds to write."""
-    model = timm.create_model("vit_ls_base_patch16_dinov3", num_classes=0)
-    return save_native(model, tmp_path_factory.mktemp("big") / "vitb")
-
-
-def wait_for(proc: subprocess.Popen, condition, what: str) -> None:
-    """Waits until `condition()` holds while `proc` runs: for an event of the write, never for a time."""
-    while not condition():
-        assert proc.poll() is None, (what, proc.communicate())
-        time.sleep(0.01)
-
-
-def staged(tmp_path: Path, name: str) -> list[Path]:
-    """What the write of `name` has put in its staging folder so far (`name` itself once it is being written)."""
-    return [p for stage in tmp_path.glob(f".{name}.tmp-*") for p in stage.glob(f"{name}*")]
+    return vit_b(tmp_path_factory.mktemp("big"))
 
 
 @pytest.mark.parametrize(
@@ -283,8 +291,8 @@ def staged(tmp_path: Path, name: str) -> list[Path]:
     ],
 )
 def test_a_signal_mid_write_leaves_the_destination_as_it_was(big: Path, tmp_path: Path, signum, dst, old) -> None:
-    """The signal comes once the file or folder itself is being written in the staging folder (for a .pth,
-    once torch.save has begun, after the tensors were streamed beside it)."""
+    """The signal comes once the file or folder itself is being written in the staging folder, seen while the
+    write is stopped: it cannot finish first, however loaded the machine."""
     name, dst = dst, tmp_path / dst
     to = "meta-train" if dst.suffix == "" else "meta"
     if old and to == "meta-train":  # an earlier write of the same format, to be kept whole
@@ -294,17 +302,10 @@ def test_a_signal_mid_write_leaves_the_destination_as_it_was(big: Path, tmp_path
     elif old:
         dst.write_bytes(b"an earlier teacher file, to be kept whole")
     before = snapshot(tmp_path)
-    args = ["convert", str(big), str(dst), "--to", to, *(["--overwrite"] if old else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "timm_ls", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    proc = start("convert", str(big), str(dst), "--to", to, *(["--overwrite"] if old else []))
     try:
-        if to == "meta-train":
-            wait_for(proc, lambda: any(p.is_dir() and any(p.iterdir()) for p in staged(tmp_path, name)), "a shard")
-        else:
-            wait_for(proc, lambda: any(p.name == name and p.stat().st_size > 0 for p in staged(tmp_path, name)), name)
-        proc.send_signal(signum)
+        frozen_when(proc, lambda: writing(tmp_path, name), f"{name} was being written")
+        signal_frozen(proc, signum)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
@@ -316,43 +317,39 @@ def test_a_signal_mid_write_leaves_the_destination_as_it_was(big: Path, tmp_path
 # ------------------------------------------------------------------------------------ symlinked destinations
 
 
-@pytest.mark.parametrize(
-    ("to", "name", "target"),
-    [
-        ("native", "out", "folder"),
-        ("meta", "out.pth", "folder"),
-        ("native", "out", "file"),
-        ("meta", "out.pth", "file"),
-        ("native", "out", "dangling"),
-        ("meta", "out.pth", "dangling"),
-    ],
-)
-def test_overwrite_replaces_a_link_never_what_it_points_to(source: Path, tmp_path: Path, capsys, to, name, target):
-    """A symlink destination is replaced by what is written; the folder or file it points to is left as it was."""
+@pytest.fixture(params=["folder", "file", "dangling"])
+def users(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """What a destination link points to: a folder holding a user's file, a user's file, or nothing at all."""
     linked = tmp_path / "users"
-    if target == "folder":
+    if request.param == "folder":
         linked.mkdir()
         (linked / "precious.txt").write_text("mine")
-    elif target == "file":
+    elif request.param == "file":
         linked.write_bytes(b"the user's own file")
+    return linked
+
+
+def held(path: Path) -> object:
+    """What `path` holds: a folder's files and their bytes, a file's bytes, or None where nothing is."""
+    if path.is_dir():
+        return {p.name: p.read_bytes() for p in path.iterdir()}
+    return path.read_bytes() if path.exists() else None
+
+
+@pytest.mark.parametrize(("to", "name"), [("native", "out"), ("meta", "out.pth")])
+def test_overwrite_replaces_a_link_never_what_it_points_to(
+    source: Path, tmp_path: Path, users: Path, capsys, to, name
+) -> None:
+    """A symlink destination is replaced by what is written; the folder or file it points to is left as it was."""
     dst = tmp_path / name
-    dst.symlink_to(linked)
-    before = (
-        {p.name: p.read_bytes() for p in linked.iterdir()}
-        if linked.is_dir()
-        else linked.exists() and linked.read_bytes()
-    )
+    dst.symlink_to(users)
+    before = held(users)
     code, out, err = run(capsys, "convert", str(source), str(dst), "--to", to, *SMALL)
     assert_refused(code, out, err, f"{dst} exists; pass --overwrite to replace it")
     code, _, err = run(capsys, "convert", str(source), str(dst), "--to", to, "--overwrite", *SMALL)
     assert code == 0, err
     assert not dst.is_symlink() and dst.exists()
-    after = (
-        {p.name: p.read_bytes() for p in linked.iterdir()}
-        if linked.is_dir()
-        else linked.exists() and linked.read_bytes()
-    )
-    assert after == before
+    assert held(users) == before
 
 
 def test_a_symlinked_parent_folder_is_written_into(source: Path, tmp_path: Path, capsys) -> None:

@@ -88,11 +88,14 @@ def fit_to_model(
     config=None,
     fill_dtype: torch.dtype = torch.float32,
     reinit_layer_scale: bool = False,
+    variant_layer_scale: tuple[str, ...] = (),
 ) -> Fitted:
     """Plans `native` (a checkpoint in native keys) into exactly `expected`'s keys and shapes, or raises.
 
     `expected` is a model's state dict, real or on the meta device; fills that need the model's own
-    values compute them from `config` when it is on the meta device.
+    values compute them from `config` when it is on the meta device. `variant_layer_scale` are the branches
+    the model's variant has LayerScale on ("attention", "MLP"), which the report names when the checkpoint's
+    keys built the model without it.
     """
     infos = {k: native.info(k) for k in native}
     steps: dict[str, Step] = {k: Step((k,), (k,)) for k in infos}
@@ -112,7 +115,9 @@ def fit_to_model(
         del steps[key]
 
     strict = getattr(config, "strict_layer_scale", False)
-    layer_scale = plan_layer_scale(infos, expected, strict=strict, reinit=reinit_layer_scale)
+    layer_scale = plan_layer_scale(
+        infos, expected, strict=strict, reinit=reinit_layer_scale, variant_has=variant_layer_scale
+    )
     for key in layer_scale.restarted:
         block, branch = NATIVE_GAMMA_KEY.match(key).groups()
         init_value = config.layer_init_values[int(block)][int(branch) - 1]

@@ -7,8 +7,8 @@ unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,12 @@ from .plan import Step, TensorInfo
 
 # Values LayerScale is commonly initialised to: a gamma vector equal to one of them was never trained.
 COMMON_INIT_VALUES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1)
+BRANCH_NAMES = ("attention", "MLP")  # LayerScale's branches, as the report names them
+
+
+def branches_with_layer_scale(layer_init_values: Sequence[tuple[float | None, float | None]]) -> tuple[str, ...]:
+    """The branches ("attention", "MLP") on which some block of a config's `layer_init_values` has LayerScale."""
+    return tuple(name for i, name in enumerate(BRANCH_NAMES) if any(values[i] for values in layer_init_values))
 
 
 def branch_output_projection(keys: Mapping[str, Any] | set[str], block: int, branch: str) -> str | None:
@@ -38,12 +44,14 @@ def _fold(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, 
 @dataclass
 class LayerScalePlan:
     """What loading does with each gamma: keep it, fold it into `proj` before it, set it to 1, or restart it
-    at its `init_values` (`reinit_layer_scale` on a pretrained load)."""
+    at its `init_values` (`reinit_layer_scale` on a pretrained load). `variant_has` are the branches the
+    variant named for the model has LayerScale on, where the checkpoint's keys built it without."""
 
     kept: list[str]
     folded: list[tuple[str, str]]  # (gamma key, projection prefix)
     missing: list[str]
     restarted: list[str]
+    variant_has: tuple[str, ...] = field(default=())
 
     def fold_steps(self, present: set[str]) -> list[Step]:
         steps = []
@@ -68,16 +76,26 @@ class LayerScalePlan:
                 f"set {len(self.missing)} gammas to 1 because the checkpoint has none (outputs equal the source "
                 f"model's)"
             )
+        if not parts and self.variant_has:
+            return (
+                f"LayerScale: none in the checkpoint, so the model is built with it off (its variant has it on "
+                f"{' and '.join(self.variant_has)}); its outputs are the checkpoint's"
+            )
         return "LayerScale: " + ("; ".join(parts) if parts else "off in both checkpoint and model")
 
 
 def plan_layer_scale(
-    infos: Mapping[str, TensorInfo], expected: Mapping[str, Any], strict: bool = False, reinit: bool = False
+    infos: Mapping[str, TensorInfo],
+    expected: Mapping[str, Any],
+    strict: bool = False,
+    reinit: bool = False,
+    variant_has: tuple[str, ...] = (),
 ) -> LayerScalePlan:
     """Matches the checkpoint's gammas (native keys) to the model's LayerScale setting; nothing is read.
 
     `reinit` restarts every gamma the model holds at its init value instead (LayerScale's muted start on a
-    pretrained trunk); gammas the model has no LayerScale for are still folded.
+    pretrained trunk); gammas the model has no LayerScale for are still folded. `variant_has` names the
+    branches the model's variant has LayerScale on, for the report of a model built without it.
     """
     file_gammas = {k for k in infos if NATIVE_GAMMA_KEY.match(k)}
     model_gammas = {k for k in expected if NATIVE_GAMMA_KEY.match(k)}
@@ -95,14 +113,14 @@ def plan_layer_scale(
     kept = sorted(file_gammas & model_gammas, key=_block_order)
     missing = sorted(model_gammas - file_gammas, key=_block_order)
     if reinit:
-        return LayerScalePlan([], folded, [], sorted(kept + missing, key=_block_order))
+        return LayerScalePlan([], folded, [], sorted(kept + missing, key=_block_order), variant_has)
     if missing and strict:
         raise CheckpointError(
             f"the checkpoint has no LayerScale gammas ({missing[0]} and {len(missing) - 1} more) but the model "
             f"has LayerScale on; build it with init_values=0 to match the checkpoint, or leave "
             f"strict_layer_scale off to set the gammas to 1"
         )
-    return LayerScalePlan(kept, folded, missing, [])
+    return LayerScalePlan(kept, folded, missing, [], variant_has)
 
 
 def _block_order(key: str) -> tuple[int, int]:

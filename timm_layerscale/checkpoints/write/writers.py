@@ -21,7 +21,14 @@ import torch
 from huggingface_hub import constants, split_state_dict_into_shards_factory
 from safetensors import safe_open
 
-from timm_ls.destinations import KEPT, STAGING, destination_problem, foreign_problem
+from timm_ls.destinations import (
+    KEPT,
+    STAGING,
+    destination_problem,
+    foreign_problem,
+    hold_staging,
+    remove_stale_staging,
+)
 from timm_ls.interrupts import deferred
 
 from ..dtypes import safetensors_name
@@ -177,23 +184,18 @@ def atomic_destination(
     one of `ours` (names or `fnmatch` patterns of what the writer writes there), checked again just before the
     swap. The staging folder beside `dst` is removed in all cases, and a failed or interrupted write (Ctrl-C,
     and SIGTERM under `timm-ls`) leaves `dst` and its companions as they were; a signal arriving during the
-    swap or the clean-up waits until they are done.
+    swap or the clean-up waits until they are done. A write that is killed (SIGKILL, a power cut) leaves its
+    staging folder, marked as this package's and no longer locked: the next write of `dst` removes it, in one
+    line on stderr (`timm_ls.destinations.remove_stale_staging`).
     """
     dst = Path(dst)
-    problem = destination_problem(
-        dst,
-        folder=folder,
-        what=what,
-        overwrite=overwrite,
-        overwrite_hint="overwrite=True",
-        companions=[dst.with_name(name) for name in companions],
-        ours=ours,
-    )
-    if problem:
-        raise CheckpointError(problem)
+    rule = dict(folder=folder, what=what, overwrite=overwrite, companions=[dst.with_name(n) for n in companions])
+    _refuse_unfit(dst, ours, **rule)
+    if remove_stale_staging(dst):  # a killed write's set-aside files are back in place: the rule again
+        _refuse_unfit(dst, ours, **rule)
     stage = dst.with_name(STAGING.format(name=dst.name, token=uuid.uuid4().hex[:8]))
+    lock = hold_staging(stage)  # from here until the lock is released, no other write takes it for stale
     try:
-        stage.mkdir()
         staged = stage / dst.name
         if folder:
             staged.mkdir()
@@ -205,6 +207,7 @@ def atomic_destination(
     except BaseException:
         with deferred():  # a second Ctrl-C must not leave the staging folder behind
             _remove(stage)
+            os.close(lock)
         raise
     try:
         with deferred():
@@ -213,6 +216,14 @@ def atomic_destination(
     except KeyboardInterrupt as exc:  # it arrived once `dst` was in place: say so
         exc.written = dst  # type: ignore[attr-defined]
         raise
+    finally:
+        os.close(lock)
+
+
+def _refuse_unfit(dst: Path, ours: Sequence[str], **rule) -> None:
+    problem = destination_problem(dst, overwrite_hint="overwrite=True", ours=ours, **rule)
+    if problem:
+        raise CheckpointError(problem)
 
 
 @contextmanager
