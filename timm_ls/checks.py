@@ -209,7 +209,7 @@ def check_probe(args: argparse.Namespace) -> None:
     _choice(args.dtype, "--dtype", CAST_DTYPES, "dtype")
     for text in args.layer or ["last"]:
         parse_probe_layer(text)
-    for flag, value in (("--batch", args.batch), ("--steps", args.steps)):
+    for flag, value in (("--batch", args.batch), ("--steps", args.steps), ("--max-iter", args.max_iter)):
         if value < 1:
             raise CliError(f"{flag}: got {value}; pass 1 or more")
     if args.threads is not None and args.threads < 1:

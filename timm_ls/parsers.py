@@ -379,6 +379,13 @@ def add_probe(commands: argparse._SubParsersAction) -> None:
         "--strict", action="store_true", help="refuse an image that cannot be read (default: skip it, with a count)"
     )
     parser.add_argument(
+        "--max-iter",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="logistic regression: L-BFGS iterations per fit at most (default 1000, Meta's max_train_iters)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=500, metavar="N", help="segmentation: AdamW steps of the linear head (500)"
     )
     parser.add_argument(

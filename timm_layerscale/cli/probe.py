@@ -18,7 +18,9 @@ from timm_ls.image_folder import SEGMENTATION, Layout, read_layout
 from ..probe import data, evaluate, report
 from ..probe.cache import FeatureCache, weights_digest
 from ..probe.extract import Extraction, split_features
-from .common import count, table, warn
+from ..probe.knn import KS
+from ..probe.split import stratified_split
+from .common import CliError, count, table, warn
 from .features import DTYPES, find_device, load_model
 
 
@@ -29,11 +31,23 @@ def _check_data(layout: Layout, args: argparse.Namespace) -> tuple[set[int], set
         for split in splits:
             data.refuse_unreadable(split.images)
     if layout.task != SEGMENTATION:
+        _check_train_size(layout, args)
         return set(), set()
     for split in splits:
         data.check_mask_sizes(split.images, split.masks)
     train = data.mask_classes(layout.train.masks)
     return train, data.mask_classes(layout.val.masks) if layout.val else train
+
+
+def _check_train_size(layout: Layout, args: argparse.Namespace) -> None:
+    labels = layout.train.labels
+    train = len(labels) if layout.val else len(labels) - sum(stratified_split(labels, args.val_split, args.seed))
+    if train < min(KS):
+        where = "" if layout.val else f" once --val-split {args.val_split} is held out"
+        raise CliError(
+            f"{layout.train.images[0].parent.parent} leaves {count(train, 'train image')}{where}; the kNN needs "
+            f"{min(KS)} or more (its smallest k): add images"
+        )
 
 
 def _extract(layout: Layout, loaded, args, blocks: list[int], device):
@@ -99,7 +113,7 @@ def _rows_of_model(args, layout: Layout, name: str | None, device, classes: tupl
             tag = f"{len(rows)}_{text}"
             row["pictures"] = [str(p) for p in _pictures(args, layout, sets, transform, result, num_classes, tag)]
         else:
-            row = evaluate.classification_row(sets, found, args.tokens, num_classes, args.seed)
+            row = evaluate.classification_row(sets, found, args.tokens, num_classes, args.seed, args.max_iter)
         row["times_s"]["features"] = seconds
         rows.append(
             {

@@ -74,13 +74,15 @@ def _timed(fn, *args, **kwargs):
     return fn(*args, **kwargs), round(time.perf_counter() - start, 3)
 
 
-def classification_row(sets: Sets, blocks: list[int], tokens: str, num_classes: int, seed: int) -> dict:
+def classification_row(sets: Sets, blocks: list[int], tokens: str, num_classes: int, seed: int, max_iter: int) -> dict:
     """kNN on the CLS tokens and logistic regression on `tokens`; every number results.json records."""
     cls = [tokens_of(s, r, blocks, "cls") for s, r in ((sets.train, sets.train_rows), (sets.val, sets.val_rows))]
     found, knn_s = _timed(knn, cls[0], sets.train_labels, cls[1], sets.val_labels, num_classes=num_classes)
     x_train = tokens_of(sets.train, sets.train_rows, blocks, tokens)
     x_val = tokens_of(sets.val, sets.val_rows, blocks, tokens)
-    fitted, logreg_s = _timed(logistic_regression, x_train, sets.train_labels, x_val, sets.val_labels, seed=seed)
+    fitted, logreg_s = _timed(
+        logistic_regression, x_train, sets.train_labels, x_val, sets.val_labels, seed=seed, max_iter=max_iter
+    )
     return {
         "blocks": blocks,
         "tokens": tokens,
@@ -100,6 +102,7 @@ def classification_row(sets: Sets, blocks: list[int], tokens: str, num_classes: 
             "per_class": fitted.per_class,
             "sweep": [{"C": c, "held_out_top1": score} for c, score in fitted.sweep],
             "unconverged_fits": fitted.unconverged,
+            "max_iter": max_iter,
         },
         "times_s": {"knn": knn_s, "logreg": logreg_s},
     }
