@@ -5,6 +5,8 @@ a chart, segmentation's mIoU, and every bad input (one line, exit 2, nothing wri
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -153,3 +155,127 @@ def test_segmentation_reaches_a_stated_miou_and_draws_pictures(tmp_path, weights
     assert len(pictures) == 2
     size = Image.open(data / "val" / "images" / "000.png").size
     assert Image.open(pictures[0]).size[0] == 3 * Image.open(pictures[0]).size[1] and size == (64, 48)
+
+
+def _layout(root, case: str) -> str:
+    """A data folder with one thing wrong; the words the one error line must hold."""
+    if case == "no train folder":
+        (root / "val" / "a").mkdir(parents=True)
+        return "has no train/ folder"
+    if case == "one class":
+        draw_classes(root, {"train": 2})
+        for name in ("green", "red"):
+            for f in (root / "train" / name).iterdir():
+                f.unlink()
+            (root / "train" / name).rmdir()
+        return "holds one class (blue)"
+    if case == "val class not in train":
+        draw_classes(root, {"train": 4, "val": 1})
+        (root / "val" / "blue").rename(root / "val" / "purple")
+        return "has the class 'purple', which train/ does not have"
+    if case == "empty class folder":
+        draw_classes(root, {"train": 4})
+        (root / "train" / "grey").mkdir()
+        return "grey holds no images"
+    if case == "unreadable image with --strict":
+        draw_classes(root, {"train": 4})
+        (root / "train" / "red" / "000.png").write_bytes(b"not a png")
+        return "cannot read image"
+    if case == "mask size differs":
+        draw_scenes(root, {"train": 2})
+        Image.new("L", (32, 32)).save(root / "train" / "masks" / "001.png")
+        return "mask needs its image's size"
+    if case == "image without a mask":
+        draw_scenes(root, {"train": 2})
+        (root / "train" / "masks" / "001.png").unlink()
+        return "has no mask"
+    if case == "val mask class not in train":
+        draw_scenes(root, {"train": 2, "val": 1})
+        Image.new("L", (64, 48), 7).save(root / "val" / "masks" / "000.png")
+        return "val masks hold class 7, which no train mask has"
+    draw_classes(root, {"train": 2})
+    return "leaves 3 train images once --val-split 0.2 is held out"
+
+
+BAD_LAYOUTS = [
+    "no train folder",
+    "one class",
+    "val class not in train",
+    "empty class folder",
+    "unreadable image with --strict",
+    "mask size differs",
+    "image without a mask",
+    "val mask class not in train",
+    "too few train images for k=10",
+]
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUTS)
+def test_bad_data_is_one_line_and_nothing_is_written(tmp_path, weights, capsys, case):
+    data, out = tmp_path / "data", tmp_path / "out"
+    words = _layout(data, case)
+    extra = ["--task", "segmentation"] if "mask" in case else []
+    extra += ["--strict"] if "strict" in case else []
+    assert main(probe(data, out, weights[1], *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("timm-ls: error: ") and words in err[0], err
+    assert not out.exists()
+
+
+def test_an_unreadable_image_is_skipped_with_a_count(tmp_path, weights, capsys):
+    data, out = tmp_path / "data", tmp_path / "out"
+    draw_classes(data, {"train": 5})
+    broken = data / "train" / "red" / "004.png"
+    broken.write_bytes(b"not a png")
+    assert main(probe(data, out, weights[1], "--val-split", "0.3")) == 0
+    captured = capsys.readouterr()
+    assert f"timm-ls: warning: skipped 1 image that cannot be read: {broken}" in captured.err
+    (row,) = json.loads((out / "results.json").read_text())["rows"]
+    assert row["skipped_images"] == [str(broken)] and row["train_images"] + row["val_images"] == 14
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--layer", "7"], "--layer 7: the model has 2 blocks"),
+        (["--layer", "middle"], "--layer: got 'middle'"),
+        (["--val-split", "1.5"], "--val-split: got 1.5"),
+        (["--tokens", "patch"], "unknown token choice 'patch'"),
+    ],
+)
+def test_bad_flags_are_one_line(tmp_path, weights, capsys, flags, words):
+    data, out = tmp_path / "data", tmp_path / "out"
+    draw_classes(data, {"train": 5})
+    assert main(probe(data, out, weights[1], *flags)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
+# The front in a fresh interpreter, which then names the heavy packages it imported.
+WATCH = """
+import sys
+from timm_ls.main import main
+code = main(sys.argv[1:])
+print("IMPORTED", ",".join(n for n in ("torch", "timm", "timm_layerscale") if n in sys.modules) or "-", file=sys.stderr)
+raise SystemExit(code)
+"""
+
+
+def front(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", WATCH, *args], capture_output=True, text=True, timeout=120)
+
+
+def imported(run: subprocess.CompletedProcess[str]) -> str:
+    return run.stderr.strip().splitlines()[-1].removeprefix("IMPORTED ")
+
+
+def test_the_front_refuses_before_torch(tmp_path):
+    draw_classes(tmp_path / "data", {"train": 2, "val": 1})
+    (tmp_path / "data" / "val" / "blue").rename(tmp_path / "data" / "val" / "purple")
+    run = front("probe", str(tmp_path / "data"), "--model", OURS, "--out", str(tmp_path / "data" / "out"))
+    assert run.returncode == 2 and "which train/ does not have" in run.stderr and imported(run) == "-"
+    (tmp_path / "data" / "val" / "purple").rename(tmp_path / "data" / "val" / "blue")
+    inside = front("probe", str(tmp_path / "data"), "--model", OURS, "--out", str(tmp_path / "data" / "train" / "o"))
+    assert inside.returncode == 2 and "inside DATA" in inside.stderr and imported(inside) == "-"
+    assert not (tmp_path / "data" / "train" / "o").exists()

@@ -24,19 +24,20 @@ from .common import CliError, count, table, warn
 from .features import DTYPES, find_device, load_model
 
 
-def _check_data(layout: Layout, args: argparse.Namespace) -> tuple[set[int], set[int]]:
-    """Everything about the data that can be refused, before any model is built or anything written."""
+def _check_data(layout: Layout, args: argparse.Namespace) -> int:
+    """Everything about the data that can be refused, before any model is built or anything written; the
+    number of classes."""
     splits = [layout.train, *([layout.val] if layout.val else [])]
     if args.strict:
         for split in splits:
             data.refuse_unreadable(split.images)
     if layout.task != SEGMENTATION:
         _check_train_size(layout, args)
-        return set(), set()
+        return len(layout.classes)
     for split in splits:
         data.check_mask_sizes(split.images, split.masks)
     train = data.mask_classes(layout.train.masks)
-    return train, data.mask_classes(layout.val.masks) if layout.val else train
+    return evaluate.segmentation_classes(train, data.mask_classes(layout.val.masks) if layout.val else train)
 
 
 def _check_train_size(layout: Layout, args: argparse.Namespace) -> None:
@@ -93,7 +94,7 @@ def _pictures(args, layout: Layout, sets, transform, result, num_classes: int, t
     )
 
 
-def _rows_of_model(args, layout: Layout, name: str | None, device, classes: tuple[set[int], set[int]]) -> list[dict]:
+def _rows_of_model(args, layout: Layout, name: str | None, device, num_classes: int) -> list[dict]:
     torch.manual_seed(0)  # random-init weights are the same on every run: their cache is found again
     loaded = load_model(argparse.Namespace(**{**vars(args), "model": name}))
     depth = len(loaded.model.blocks)
@@ -105,7 +106,6 @@ def _rows_of_model(args, layout: Layout, name: str | None, device, classes: tupl
     sets = evaluate.make_sets(
         train, val, labels, layout.val.labels if layout.val and not seg else None, args.val_split, args.seed
     )
-    num_classes = evaluate.segmentation_classes(*classes) if seg else len(layout.classes)
     rows = []
     for text, found in layer_sets:
         if seg:
@@ -140,10 +140,10 @@ def execute(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = read_layout(args.data, args.task)
-    classes = _check_data(layout, args)
+    num_classes = _check_data(layout, args)
     rows = []
     for name in args.model or [None]:
-        rows += _rows_of_model(args, layout, name, device, classes)
+        rows += _rows_of_model(args, layout, name, device, num_classes)
     seg = layout.task == SEGMENTATION
     header, body = (report.segmentation_table if seg else report.classification_table)(rows)
     print(table(header, body))
