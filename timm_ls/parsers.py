@@ -359,6 +359,17 @@ def add_probe(commands: argparse._SubParsersAction) -> None:
         "Meta's n_last_blocks; several values: one row each",
     )
     parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="results.json, the chart and pictures, and the feature cache DIR/features/ (reused by the next run)",
+    )
+    _probe_protocol_options(parser)
+
+
+def _probe_protocol_options(parser: argparse.ArgumentParser) -> None:
+    """`timm-ls probe`'s options of the protocols and of the run."""
+    parser.add_argument(
         "--tokens",
         default="cls",
         metavar=_choices(TOKENS),
@@ -394,12 +405,6 @@ def add_probe(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="fp32", metavar=_choices(CAST_DTYPES), help="weights and activations")
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu, cuda, cuda:1, mps (default cpu)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch's CPU threads (default: torch's own choice)")
-    parser.add_argument(
-        "--out",
-        required=True,
-        metavar="DIR",
-        help="results.json, the chart and pictures, and the feature cache DIR/features/ (reused by the next run)",
-    )
 
 
 # command -> (its parser, the module of timm_layerscale.cli that runs it)
