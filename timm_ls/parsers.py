@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from .image_folder import CLASSIFICATION, TASKS
 from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS, FormatSpec
 from .paths import experiments_dir, install_hint
 
@@ -33,6 +34,13 @@ FEATURES_EXAMPLES = """examples:
   timm-ls features photos/ --model vit_small_patch14_dinov2.lvd142m --pretrained --out pca --foreground
   timm-ls features big.png --model vit_ls_base_patch16_dinov3 --checkpoint model/ --size native --out pca --save
   timm-ls features a.png b.png --model vit_ls_small_patch16_dinov3 --out pca --per-image --layer 5"""
+PROBE_EXAMPLES = """examples:
+  timm-ls probe flowers/ --model vit_ls_small_patch16_dinov3.lvd1689m --pretrained --out probe-flowers
+  timm-ls probe flowers/ --model vit_ls_small_patch16_dinov3.lvd1689m vit_small_patch14_dinov2.lvd142m --pretrained \\
+      --out probe-flowers
+  timm-ls probe flowers/ --model vit_ls_base_patch16_dinov3 --checkpoint model/ --layer last last_four 6 --out p
+  timm-ls probe scenes/ --task segmentation --model vit_ls_small_patch16_dinov3.lvd1689m --pretrained --out seg"""
+TOKENS = ("cls", "avgpool", "cls+avgpool")
 
 
 def _choices(names: tuple[str, ...]) -> str:
@@ -310,6 +318,94 @@ def add_features(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu, cuda, cuda:1, mps (default cpu)")
 
 
+def add_probe(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "probe",
+        help="how good a model's frozen features are on your images: Meta's kNN, logistic-regression and linear "
+        "segmentation protocols",
+        description="Extracts each model's features once (its own eval transform, under inference_mode, batched) "
+        "into DIR/features/ as safetensors, so that a second probe on the same data does no forward, then runs "
+        "Meta's protocols on them: weighted kNN (T=0.07; k in 10, 20, 100, 200) and L-BFGS logistic regression "
+        "over Meta's C grid (classification), or the linear head on patch tokens (segmentation). Prints a table "
+        "and writes DIR/results.json; several --model or --layer values give one row each and a chart. The "
+        "logistic regression needs scikit-learn (pip install 'timm-layerscale[probe]').",
+        epilog=PROBE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "data",
+        metavar="DATA",
+        help="DATA/train/<class>/* and DATA/val/<class>/* (timm's ImageFolder); "
+        "segmentation: DATA/{train,val}/images/* and masks/<name>.png",
+    )
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        action="extend",
+        metavar="NAME[.TAG]|VARIANT.yaml",
+        help="one or more models to compare: vit_ls variants, YAML variant files or timm ViTs",
+    )
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--pretrained", action="store_true", help="the tags' Hub weights (else random init)")
+    weights.add_argument("--checkpoint", metavar="PATH", help="weights from this file or folder")
+    _model_kwargs(parser, "depth=2")
+    parser.add_argument(
+        "--layer",
+        nargs="+",
+        action="extend",
+        metavar="I|last|last_four|four_even",
+        help="the blocks read (default last): a block index, last, or a set whose blocks are concatenated as "
+        "Meta's n_last_blocks; several values: one row each",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="results.json, the chart and pictures, and the feature cache DIR/features/ (reused by the next run)",
+    )
+    _probe_protocol_options(parser)
+
+
+def _probe_protocol_options(parser: argparse.ArgumentParser) -> None:
+    """`timm-ls probe`'s options of the protocols and of the run."""
+    parser.add_argument(
+        "--tokens",
+        default="cls",
+        metavar=_choices(TOKENS),
+        help="the logistic regression's input (default cls): the normed CLS token of each block read, the mean of "
+        "their patch tokens, or Meta's CLS tokens plus the last block's mean patch token; kNN always takes CLS",
+    )
+    parser.add_argument("--task", default=CLASSIFICATION, metavar=_choices(TASKS), help="(default %(default)s)")
+    parser.add_argument(
+        "--val-split",
+        type=float,
+        default=0.2,
+        metavar="F",
+        help="without DATA/val: the part of each class held out as val, seeded (default %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="of the val split, C's held-out part and the head (0)")
+    parser.add_argument("--batch", type=int, default=32, metavar="N", help="images per forward (default 32)")
+    parser.add_argument(
+        "--strict", action="store_true", help="refuse an image that cannot be read (default: skip it, with a count)"
+    )
+    parser.add_argument(
+        "--max-iter",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="logistic regression: L-BFGS iterations per fit at most (default 1000, Meta's max_train_iters)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=500, metavar="N", help="segmentation: AdamW steps of the linear head (500)"
+    )
+    parser.add_argument(
+        "--pictures", type=int, default=4, metavar="N", help="segmentation: val images drawn with truth and prediction"
+    )
+    parser.add_argument("--dtype", default="fp32", metavar=_choices(CAST_DTYPES), help="weights and activations")
+    parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu, cuda, cuda:1, mps (default cpu)")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch's CPU threads (default: torch's own choice)")
+
+
 # command -> (its parser, the module of timm_layerscale.cli that runs it)
 COMMANDS = {
     "demo": (add_demo, "demo"),
@@ -320,6 +416,7 @@ COMMANDS = {
     "convert": (add_convert, "convert"),
     "export": (add_export, "export"),
     "features": (add_features, "features"),
+    "probe": (add_probe, "probe"),
 }
 
 

@@ -23,6 +23,7 @@ LAYERS = (
     ("timm_ls.paths", -1),
     ("timm_ls.interrupts", -1),
     ("timm_ls.plain_yaml", -1),
+    ("timm_ls.image_folder", -1),
     ("config", 0),
     ("layers", 1),
     ("checkpoints.errors", 2.0),

@@ -1,0 +1,136 @@
+"""What the probes read: the images of a folder through the model's own data config, and the masks beside them.
+
+Classification takes timm's eval transform (`timm.data.resolve_data_config` then `create_transform`: the
+shorter side resized by the crop ratio, centre-cropped to the input size, normalised). Segmentation resizes
+the image to the input size without a crop, and its mask to the same size by nearest, so that every pixel of
+the mask keeps a class index of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import timm.data
+import torch
+from PIL import Image
+from torch import nn
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as tvf
+
+from ..tools.dense import read_image
+
+IGNORE = 255  # ADE20K's "no class" in a mask: neither trained on nor scored
+
+
+@dataclass
+class SegmentationTransform:
+    """An image resized to `size` (height, width) without a crop and normalised; its mask resized by nearest."""
+
+    size: tuple[int, int]
+    interpolation: str
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        resized = tvf.resize(
+            image, list(self.size), interpolation=InterpolationMode(self.interpolation), antialias=True
+        )
+        return tvf.normalize(tvf.to_tensor(resized), self.mean, self.std)
+
+    def mask(self, mask: np.ndarray) -> torch.Tensor:
+        resized = Image.fromarray(mask).resize(self.size[::-1], Image.NEAREST)
+        return torch.from_numpy(np.asarray(resized, dtype=np.uint8).copy())
+
+    def picture(self, image: Image.Image) -> np.ndarray:
+        """What the model saw, as `[H, W, 3]` uint8, for the pictures."""
+        return np.asarray(image.resize(self.size[::-1], Image.BILINEAR), dtype=np.uint8)
+
+    def __repr__(self) -> str:
+        return (
+            f"Resize({self.size[0]}x{self.size[1]}, {self.interpolation}, no crop), Normalize(mean={self.mean}, "
+            f"std={self.std}); masks: nearest"
+        )
+
+
+def data_config(model: nn.Module) -> dict:
+    return timm.data.resolve_data_config({}, model=model)
+
+
+def classification_transform(model: nn.Module) -> Callable[[Image.Image], torch.Tensor]:
+    """timm's eval transform for `model` (resize, centre crop, normalise)."""
+    return timm.data.create_transform(**data_config(model), is_training=False)
+
+
+def segmentation_transform(model: nn.Module) -> SegmentationTransform:
+    cfg = data_config(model)
+    return SegmentationTransform(tuple(cfg["input_size"][1:]), cfg["interpolation"], cfg["mean"], cfg["std"])
+
+
+def describe(transform: object) -> str:
+    """The transform in one line: what the cache is keyed by, and what results.json records."""
+    return " ".join(repr(transform).split())
+
+
+def header_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the file's header, nothing decoded; a file PIL cannot open is a one-line error."""
+    try:
+        with Image.open(path) as image:
+            return image.size
+    except OSError as exc:
+        raise ValueError(f"cannot read image {path} ({' '.join(str(exc).split())}); pass a PNG or JPEG file") from None
+
+
+def read_mask(path: Path) -> np.ndarray:
+    """A mask of class indices, `[H, W]` uint8: a one-channel PNG (mode L or P, indices as stored)."""
+    try:
+        with Image.open(path) as mask:
+            if mask.mode not in ("L", "P"):
+                raise ValueError(
+                    f"mask {path} is a {mask.mode} image; a mask is a one-channel PNG of class indices (mode L or P)"
+                )
+            return np.asarray(mask, dtype=np.uint8).copy()
+    except OSError as exc:
+        raise ValueError(
+            f"cannot read mask {path} ({' '.join(str(exc).split())}); pass a PNG of class indices"
+        ) from None
+
+
+def check_mask_sizes(images: list[Path], masks: list[Path]) -> None:
+    """Every mask has its image's size (headers only): refused in one line before any forward. An image that
+    cannot be read is left to the reading, which skips or refuses it."""
+    for image, mask in zip(images, masks):
+        try:
+            want = header_size(image)
+        except ValueError:
+            continue
+        got = header_size(mask)
+        if got != want:
+            raise ValueError(
+                f"mask {mask} is {got[0]}x{got[1]} px and its image {image} is {want[0]}x{want[1]} px; a mask "
+                f"needs its image's size"
+            )
+
+
+def load_image(path: Path) -> Image.Image:
+    """The image as RGB, or a `ValueError` naming it (`tools.dense.read_image`)."""
+    return read_image(path)
+
+
+def mask_classes(masks: list[Path]) -> set[int]:
+    """The class indices the masks hold (255 included where present)."""
+    found: set[int] = set()
+    for mask in masks:
+        found.update(np.unique(read_mask(mask)).tolist())
+    return found
+
+
+def refuse_unreadable(images: list[Path]) -> None:
+    """--strict: every image decoded before any forward or write; the first that cannot be is refused."""
+    for image in images:
+        try:
+            load_image(image)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (--strict refuses it; without --strict it is skipped)") from None
