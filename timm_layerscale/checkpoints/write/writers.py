@@ -232,9 +232,10 @@ def staged_into(folder: Path) -> Iterator[Path]:
     (`_replace_group`: the old files of those names kept aside until every new one is in place); the folder's
     other files are left as they are. A failed or interrupted write leaves `folder` as it was."""
     folder = Path(folder)
+    remove_stale_staging(folder)
     stage = folder.with_name(STAGING.format(name=folder.name, token=uuid.uuid4().hex[:8]))
+    lock = hold_staging(stage)
     try:
-        stage.mkdir()
         staged = stage / folder.name
         staged.mkdir()
         yield staged
@@ -245,6 +246,7 @@ def staged_into(folder: Path) -> Iterator[Path]:
     finally:
         with deferred():
             _remove(stage)
+            os.close(lock)
 
 
 def _replace_group(stage: Path, parent: Path, names: Sequence[str]) -> None:
