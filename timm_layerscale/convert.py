@@ -45,6 +45,7 @@ PROGRESS_MIN_BYTES = 256 << 20  # a bar for conversions at least this large (whe
 # to this much of fp32 weights (a Sapiens2 1B), at this many patches: a few seconds beside the conversion.
 ROPE_MEASURE_BYTES = 4 << 30
 ROPE_MEASURE_PATCHES = (8, 8)
+ROPE_MEASURE_IMAGES = 4  # the largest move of a few images: one image's varies by about 2x
 
 
 @dataclass
@@ -188,14 +189,15 @@ def rope_warning(planned: Planned, target: Format) -> list[str]:
             f"this measure loads; 1e-4 to 1e-3 relative on Sapiens2's smaller models, more with depth){keep}"
         ]
     moved = rope_move(planned.fitted.plan, config, target.recomputes_periods)
-    return [f"{rule} by {moved:.1e} relative (measured on this model){keep}"]
+    side = "x".join(str(n * config.patch_size) for n in ROPE_MEASURE_PATCHES)
+    return [f"{rule} by {moved:.1e} relative (measured on this model, {ROPE_MEASURE_IMAGES} images at {side}){keep}"]
 
 
 @torch.no_grad()
 def rope_move(weights: Plan, config: VitLsConfig, recompute_periods: bool) -> float:
     """max |fp32-RoPE tokens - bf16-RoPE tokens| over max |bf16-RoPE tokens|: the model built both ways on the
     same weights (the periods the base gives in fp32 where the target recomputes them), its normed tokens on
-    one random image of `ROPE_MEASURE_PATCHES`."""
+    `rope_measure_images`."""
     as_built = VisionTransformerLS(config, device="meta").eval()
     fp32 = config.replace(rope_dtype="fp32", rope_periods_bf16=config.rope_periods_bf16 and not recompute_periods)
     in_fp32 = VisionTransformerLS(fp32, device="meta").eval()
@@ -205,10 +207,16 @@ def rope_move(weights: Plan, config: VitLsConfig, recompute_periods: bool) -> fl
     if recompute_periods:
         state[PERIODS] = RopeEmbedding(fp32.head_dim, base=fp32.rope_base, round_periods_to_bf16=False).periods
     in_fp32.load_state_dict(state, assign=True, strict=True)  # the same weight tensors: no second copy
-    height, width = (n * config.patch_size for n in ROPE_MEASURE_PATCHES)
-    image = torch.randn(1, config.in_chans, height, width, generator=torch.Generator().manual_seed(0))
-    want, got = as_built.forward_features(image), in_fp32.forward_features(image)
+    images = rope_measure_images(config)
+    want, got = as_built.forward_features(images), in_fp32.forward_features(images)
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def rope_measure_images(config: VitLsConfig) -> torch.Tensor:
+    """What `rope_move` measures on: `ROPE_MEASURE_IMAGES` random images of `ROPE_MEASURE_PATCHES`, seeded."""
+    height, width = (n * config.patch_size for n in ROPE_MEASURE_PATCHES)
+    shape = (ROPE_MEASURE_IMAGES, config.in_chans, height, width)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
 
 
 def fp32_weight_bytes(config: VitLsConfig) -> int:
