@@ -168,7 +168,7 @@ def bf16_arithmetic_in_fp32(graph: Any) -> int:
     for node in list(graph):
         if node.op_type not in BF16_UNRUNNABLE or len(node.outputs) != 1:
             continue
-        typed = BF16_UNRUNNABLE[node.op_type] or range(len(node.inputs))
+        typed = [i for i in BF16_UNRUNNABLE[node.op_type] or range(len(node.inputs)) if i < len(node.inputs)]
         if not any(node.inputs[i] is not None and node.inputs[i].dtype == ir.DataType.BFLOAT16 for i in typed):
             continue
         # a typed input of unknown dtype (an unoptimised graph's constant) is bf16 too: T binds them all
