@@ -28,17 +28,26 @@ from timm_ls.names import CAST_DTYPES, KEEP, WEIGHTS_SETS
 from .checkpoints.dtypes import cast_dtype
 from .checkpoints.errors import CheckpointError
 from .checkpoints.formats import Format, Job, WritePlan, target_format
+from .checkpoints.formats.base import bf16_rope_targets
 from .checkpoints.mapping.fit import Fitted, fit_to_model
 from .checkpoints.mapping.layer_scale import branches_with_layer_scale
 from .checkpoints.mapping.plan import PERIODS, Plan, cast_plan, dominant_dtype
 from .checkpoints.read.reader import LazyCheckpoint, open_checkpoint
 from .checkpoints.write.writers import atomic_destination
+from .config import VitLsConfig
 from .identity import IdentifiedModel, expected_state, identify_checkpoint
+from .layers import RopeEmbedding
+from .model import VisionTransformerLS
 from .variants import VARIANTS
 
 __all__ = ["Conversion", "Planned", "convert_checkpoint", "plan_conversion"]
 
 PROGRESS_MIN_BYTES = 256 << 20  # a bar for conversions at least this large (when stderr is a terminal)
+# How far a target computing RoPE in fp32 moves a bf16-RoPE model's outputs is measured on the model itself up
+# to this much of fp32 weights (a Sapiens2 1B), at this many patches: a few seconds beside the conversion.
+ROPE_MEASURE_BYTES = 4 << 30
+ROPE_MEASURE_PATCHES = (8, 8)
+ROPE_MEASURE_IMAGES = 4  # the largest move of a few images: one image's varies by about 2x
 
 
 @dataclass
@@ -125,7 +134,7 @@ def convert_checkpoint(
     with _opened(src, weights, heads=request.target.reads_heads) as ckpt:
         _refuse_to_replace_source(ckpt, request.dst)
         planned = _plan(ckpt, request, model, model_kwargs, fuse_layerscale, max_shard_size)
-        warnings = planned.fitted.warnings + planned.write_plan.warnings
+        warnings = planned.fitted.warnings + planned.write_plan.warnings + rope_warning(planned, request.target)
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
         _write(planned.write_plan, request, overwrite, progress)
@@ -165,6 +174,55 @@ class Planned:
             notes=self.write_plan.notes,
             meta_yaml=self.write_plan.text,
         )
+
+
+def rope_warning(planned: Planned, target: Format) -> list[str]:
+    """The target's RoPE rule (`Format.rope_rule`) as one line, with how far the outputs move: measured on the
+    model built both ways from the fitted weights at a small input, up to `ROPE_MEASURE_BYTES` of weights."""
+    config = planned.identity.config
+    rule = target.rope_rule(config)
+    if rule is None:
+        return []
+    keep = f"; convert --to {bf16_rope_targets(config)} to keep its bf16 RoPE"
+    weights = fp32_weight_bytes(config)
+    if weights > ROPE_MEASURE_BYTES:
+        return [
+            f"{rule} (not measured: its fp32 weights are {_size(weights)}, above the {_size(ROPE_MEASURE_BYTES)} "
+            f"this measure loads; 1e-4 to 1e-3 relative on Sapiens2's smaller models, more with depth){keep}"
+        ]
+    moved = rope_move(planned.fitted.plan, config, target.recomputes_periods)
+    side = "x".join(str(n * config.patch_size) for n in ROPE_MEASURE_PATCHES)
+    return [f"{rule} by {moved:.1e} relative (measured on this model, {ROPE_MEASURE_IMAGES} images at {side}){keep}"]
+
+
+@torch.no_grad()
+def rope_move(weights: Plan, config: VitLsConfig, recompute_periods: bool) -> float:
+    """max |fp32-RoPE tokens - bf16-RoPE tokens| over max |bf16-RoPE tokens|: the model built both ways on the
+    same weights (the periods the base gives in fp32 where the target recomputes them), its normed tokens on
+    `rope_measure_images`."""
+    as_built = VisionTransformerLS(config, device="meta").eval()
+    fp32 = config.replace(rope_dtype="fp32", rope_periods_bf16=config.rope_periods_bf16 and not recompute_periods)
+    in_fp32 = VisionTransformerLS(fp32, device="meta").eval()
+    targets = as_built.state_dict()
+    state = {key: tensor.to(targets[key].dtype) for key, tensor in weights.items()}
+    as_built.load_state_dict(state, assign=True, strict=True)
+    if recompute_periods:
+        state[PERIODS] = RopeEmbedding(fp32.head_dim, base=fp32.rope_base, round_periods_to_bf16=False).periods
+    in_fp32.load_state_dict(state, assign=True, strict=True)  # the same weight tensors: no second copy
+    images = rope_measure_images(config)
+    want, got = as_built.forward_features(images), in_fp32.forward_features(images)
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def rope_measure_images(config: VitLsConfig) -> torch.Tensor:
+    """What `rope_move` measures on: `ROPE_MEASURE_IMAGES` random images of `ROPE_MEASURE_PATCHES`, seeded."""
+    height, width = (n * config.patch_size for n in ROPE_MEASURE_PATCHES)
+    shape = (ROPE_MEASURE_IMAGES, config.in_chans, height, width)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0))
+
+
+def fp32_weight_bytes(config: VitLsConfig) -> int:
+    return sum(t.numel() for t in expected_state(config).values()) * 4
 
 
 def left_out_report(ckpt: LazyCheckpoint) -> list[str]:

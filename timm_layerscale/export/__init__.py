@@ -160,8 +160,6 @@ def export_onnx(
     kind, blocks = parse_outputs(outputs, src.config.depth)
     config = src.config.replace(init_values=0) if fuse_layerscale else src.config
     graph = _Graph(config, kind, blocks, dtype, batch, size, fuse_layerscale, opset)
-    if check:
-        _refuse_a_check_ort_cannot_run(src.config)
     if check and src.model is None:
         _refuse_a_check_beyond_memory(src.config)
     with atomic_destination(dst, overwrite, what="export", companions=[external_data_path(dst).name]) as staged:
@@ -176,17 +174,6 @@ def export_onnx(
             result.tolerance = TOLERANCE[dtype]
             verdict(result.check, dtype)
     return result
-
-
-def _refuse_a_check_ort_cannot_run(config: VitLsConfig) -> None:
-    """ONNX Runtime's CPU kernels have no bf16 Add or Mul: a model computing RoPE in bf16 (Sapiens2's released
-    setting) exports, but cannot be checked there."""
-    if config.rope_dtype == "bf16":
-        raise ExportError(
-            "--check runs ONNX Runtime's CPU kernels, which have no bf16 arithmetic, and this model computes RoPE "
-            "in bf16 (rope_dtype=bf16); export without --check, or check with --model-kwargs rope_dtype=fp32 "
-            "(RoPE as timm's eva computes it)"
-        )
 
 
 def _check_request(dst: Path, dtype: str, overwrite: bool) -> None:

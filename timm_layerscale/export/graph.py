@@ -144,11 +144,55 @@ def export_program(
         value = graph.initializers.pop(name)
         value.name = name.removeprefix("model.")
         graph.initializers[value.name] = value
+    bf16_arithmetic_in_fp32(graph)
     for node in graph:  # the side check's Reshape, named so the runtime's error says why
         if node.op_type == "Reshape" and node.inputs and node.inputs[0] is graph.inputs[0]:
             node.name = SIDE_CHECK_NODE
             break
     return program
+
+
+# Ops ONNX Runtime's CPU provider has no bf16 kernel for, met in a bf16-RoPE graph (its tables and rotation), and
+# which of their inputs carry the data type (every one where not named; the others are int64 shapes and pads).
+BF16_UNRUNNABLE = {"Add": None, "Sub": None, "Mul": None, "Div": None, "Neg": None, "Pad": (0, 2), "Expand": (0,)}
+
+
+def bf16_arithmetic_in_fp32(graph: Any) -> int:
+    """Each bf16 `BF16_UNRUNNABLE` node computed in fp32 between casts: the same bf16 result, bit for bit (a
+    bf16 value is exact in fp32, and an fp32 sum, difference, product or quotient of two rounded once more to
+    bf16 is the correctly rounded bf16 one: 24 bits hold more than 2 x 8 + 2), in ops the CPU provider runs.
+    Returns how many nodes it rewrote."""
+    import onnx_ir as ir  # the `export` extra, imported on use
+
+    rewritten = 0
+    for node in list(graph):
+        if node.op_type not in BF16_UNRUNNABLE or len(node.outputs) != 1:
+            continue
+        typed = [i for i in BF16_UNRUNNABLE[node.op_type] or range(len(node.inputs)) if i < len(node.inputs)]
+        if not any(node.inputs[i] is not None and node.inputs[i].dtype == ir.DataType.BFLOAT16 for i in typed):
+            continue
+        # a typed input of unknown dtype (an unoptimised graph's constant) is bf16 too: T binds them all
+        bf16 = [i in typed and v is not None and v.dtype != ir.DataType.FLOAT for i, v in enumerate(node.inputs)]
+        inputs = []
+        for i, (value, cast) in enumerate(zip(node.inputs, bf16, strict=True)):
+            if cast:
+                widened = ir.node("Cast", [value], attributes={"to": ir.DataType.FLOAT}, name=f"{node.name}_in{i}_fp32")
+                widened.outputs[0].type, widened.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), value.shape
+                graph.insert_before(node, widened)
+                value = widened.outputs[0]
+            inputs.append(value)
+        wide = ir.node(node.op_type, inputs, attributes=dict(node.attributes), name=f"{node.name}_fp32")
+        result = node.outputs[0]
+        wide.outputs[0].type, wide.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), result.shape
+        narrow = ir.node("Cast", wide.outputs, attributes={"to": ir.DataType.BFLOAT16}, name=node.name)
+        narrow.outputs[0].type, narrow.outputs[0].shape = result.type, result.shape
+        graph.insert_before(node, [wide, narrow])
+        name = result.name
+        ir.convenience.replace_all_uses_with(result, narrow.outputs[0], replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        narrow.outputs[0].name = name
+        rewritten += 1
+    return rewritten
 
 
 def metadata(

@@ -31,8 +31,10 @@ def patch_centre_coords(height: int, width: int, normalize_coords: str, like: to
     else:
         h_den = w_den = max(height, width) if normalize_coords == "max" else min(height, width)
     # `arange(n) + 0.5` equals `arange(0.5, n)` and keeps the length symbolic for torch.export.
-    coords_h = (torch.arange(height, device=like.device, dtype=like.dtype) + 0.5) / h_den
-    coords_w = (torch.arange(width, device=like.device, dtype=like.dtype) + 0.5) / w_den
+    # Divided in fp32 and rounded: what torch computes for bf16 over an int, which an exported graph would
+    # otherwise divide by the side rounded to bf16 (inexact above 256 patches).
+    coords_h = ((torch.arange(height, device=like.device, dtype=like.dtype) + 0.5).float() / h_den).to(like.dtype)
+    coords_w = ((torch.arange(width, device=like.device, dtype=like.dtype) + 0.5).float() / w_den).to(like.dtype)
     coords = torch.stack(torch.meshgrid(coords_h, coords_w, indexing="ij"), dim=-1).flatten(0, 1)
     return 2.0 * coords - 1.0
 
@@ -123,7 +125,10 @@ class RopeEmbedding(nn.Module):
         """`forward`'s (sin, cos) for patch centres `coords` [..., tokens, 2] (y, x) normalised to [-1, 1]:
         one image's grid, or a NaFlex batch's [batch, tokens, 2] with each image's own grid."""
         periods = self._periods()
-        angles = 2 * math.pi * self._augment(coords.to(periods.dtype))[..., None] / periods
+        # 2 pi times in fp32, then rounded: what torch computes for bf16 (its scalar unrounded), where an exported
+        # graph would multiply by 2 pi rounded to bf16.
+        turns = (self._augment(coords.to(periods.dtype))[..., None].float() * (2 * math.pi)).to(periods.dtype)
+        angles = turns / periods
         angles = angles.flatten(-2)
         # The prefix rows are padded on after sin and cos, not concatenated before: TorchScript's autodiff
         # leaves a list of tensors unguarded, and under inference_mode would save them for backward.

@@ -93,6 +93,25 @@ class Format:
     may_drop: frozenset[str] = frozenset()
     fixes: Mapping[str, Mapping[str, Any]] = {}
     instead = "native"  # the formats a refusal suggests
+    # Whether the code that builds this format's model computes RoPE in fp32 whatever the model computes it in
+    # (transformers', timm's eva, Meta's hub builders): a bf16-RoPE model is written, its outputs moved (`rope_rule`).
+    rope_in_fp32 = False
+    rope_code = ""  # that code, as the rule's line names it
+
+    def rope_rule(self, config: VitLsConfig) -> str | None:
+        """The one rule for a target computing RoPE otherwise than the model: what to say of it (a warning,
+        refused with --strict), before the figure of how far the outputs move; None where RoPE is kept."""
+        if not (self.rope_in_fp32 and config.rope_dtype == "bf16"):
+            return None
+        return (
+            f"RoPE is computed in fp32 by {self.rope_code} and in bf16 by this model (rope_dtype=bf16): --to "
+            f"{self.name} writes it, and its outputs move there"
+        )
+
+    @property
+    def recomputes_periods(self) -> bool:
+        """Whether its model computes RoPE's periods from the base (in fp32, unrounded) rather than holding them."""
+        return PERIODS in self.may_drop
 
     def check_holds(self, config: VitLsConfig, unheld: Sequence[str]) -> None:
         """One error line, before anything is written, for a model this format cannot hold in full: a key group
@@ -212,6 +231,11 @@ def layout_family(norm_layer: str, qk_norm: bool, grouped: bool) -> str:
 def family(config: VitLsConfig) -> str:
     """The family whose layout a model has (`layout_family`)."""
     return layout_family(config.norm_layer, config.qk_norm, config.grouped_attention)
+
+
+def bf16_rope_targets(config: VitLsConfig) -> str:
+    """The targets that keep a bf16-RoPE model's own RoPE, for the rule's line to name."""
+    return "native or sapiens2" if family(config) == "sapiens2" else "native"
 
 
 def refuse_family(config: VitLsConfig, holds: str, what: str, instead: str) -> None:

@@ -240,6 +240,8 @@ class HuggingFace(Format):
     may_drop = frozenset({PERIODS, "local_cls_norm", "head"})
     fixes = {"sapiens2": {"rope_normalize_coords": "separate"}}  # Sapiens2Config has no field for it
     instead = "native"
+    rope_in_fp32 = True
+    rope_code = "transformers"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         lambda1 = f".{gamma_name(SPELLING, 1)}"

@@ -31,6 +31,8 @@ class Meta(Format):
     table = META_TABLE
     may_drop = frozenset({"head"})  # Meta's backbones have no classifier
     instead = "native, hf or timm"
+    rope_in_fp32 = True
+    rope_code = "Meta's hub builders"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return native_keys(keys)

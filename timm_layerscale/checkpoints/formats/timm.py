@@ -87,7 +87,6 @@ EVA_FIXED = {
         "qk_norm": True,
         "qkv_bias": True,
         "ffn_layer": "swiglu",
-        "rope_dtype": "fp32",
     },
 }
 EVA_POOLS = ("token", "avg", "avgmax", "max", "")
@@ -236,12 +235,10 @@ def eva_architecture(config: VitLsConfig, variant: str, qkv_bias: bool) -> str:
     layout = family(config)
     for name, fixed in EVA_FIXED[layout].items():
         if getattr(config, name) != fixed:
-            # RoPE precision is computation, not weights: the same file holds either
-            way = "pass --model-kwargs rope_dtype=fp32, or " if name == "rope_dtype" else ""
             own = "sapiens2" if layout == "sapiens2" else "meta"
             raise CheckpointError(
                 f"timm's eva {layout} architectures fix {name}={fixed!r}, this model has {name}="
-                f"{getattr(config, name)!r}: {way}convert --to native, hf or {own} instead"
+                f"{getattr(config, name)!r}: convert --to native, hf or {own} instead"
             )
     if config.global_pool not in EVA_POOLS:
         raise CheckpointError(
@@ -280,6 +277,8 @@ class TimmEva(Format):
     unheld_args = frozenset({"qkv_bias", "local_cls_norm", "mask_token"})
     may_drop = frozenset({PERIODS, "local_cls_norm", "mask_token"})
     instead = "native or hf"
+    rope_in_fp32 = True
+    rope_code = "timm's eva"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")
