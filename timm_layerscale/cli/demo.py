@@ -285,6 +285,16 @@ def fit_image(picture: Image.Image, model: nn.Module) -> tuple[Image.Image, str]
     return resized, f"{width}x{height}, resized to {target_w}x{target_h} without cropping ({why})"
 
 
+def _model_with_weights(args: argparse.Namespace) -> tuple[nn.Module, str, str]:
+    """The model and where its weights come from: a checkpoint by the one identity rule (--variant then only
+    names it), else the variant's pretrained weights."""
+    if args.checkpoint:
+        return build_from_checkpoint(args, args.variant)
+    variant, tag = resolve_variant(args.variant or load_experiment(args.config).variant)
+    model, source = build(args, variant, tag, offline_random=True)
+    return model, source, f"{variant.name}{f'.{tag}' if tag else ''}"
+
+
 def show_model(args: argparse.Namespace) -> int:
     images = [Path(p) for p in args.image] if args.image else sorted(ASSETS.glob("*.png"))
     pictures = [load_image(p) for p in images]
@@ -292,12 +302,7 @@ def show_model(args: argparse.Namespace) -> int:
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)  # the job's own folder, for the default picture
     with load_report() as report:
-        if args.checkpoint:  # the model the checkpoint is, by the one identity rule; --variant only names it
-            model, source, name = build_from_checkpoint(args, args.variant)
-        else:
-            variant, tag = resolve_variant(args.variant or load_experiment(args.config).variant)
-            model, source = build(args, variant, tag, offline_random=True)
-            name = f"{variant.name}{f'.{tag}' if tag else ''}"
+        model, source, name = _model_with_weights(args)
     model.eval()
     for line in report:
         if line.startswith("warning: "):

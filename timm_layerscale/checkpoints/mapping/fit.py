@@ -16,7 +16,7 @@ from ...layers import RopeEmbedding, effective_qkv_bias, k_bias_mask
 from ..errors import CheckpointError
 from .gamma_keys import NATIVE_GAMMA_KEY
 from .layer_scale import LayerScalePlan, plan_layer_scale, suspicious_gammas
-from .plan import PERIODS, Plan, Step
+from .plan import PERIODS, Plan, Step, TensorInfo
 
 Tensor = torch.Tensor
 
@@ -99,21 +99,7 @@ def fit_to_model(
     """
     infos = {k: native.info(k) for k in native}
     steps: dict[str, Step] = {k: Step((k,), (k,)) for k in infos}
-    dropped = []
-    for key in [k for k in infos if k not in expected]:
-        if key.startswith("local_cls_norm."):
-            dropped.append(
-                "local_cls_norm (only used in local-crop pretraining; build with local_cls_norm=True to keep it)"
-            )
-        elif key.startswith("head."):
-            dropped.append("the checkpoint's classifier head (the model has num_classes=0)")
-        elif key.endswith("attn.qkv.bias_mask") and key[: -len("_mask")] in expected and key[: -len("_mask")] in infos:
-            bias = key[: -len("_mask")]  # the model has no mask: its bias becomes the masked one
-            steps[bias] = Step((bias,), (bias, key), lambda b, m: (effective_qkv_bias(b, m),))
-        else:
-            continue
-        del steps[key]
-
+    dropped = _drop_what_the_model_lacks(infos, expected, steps)
     strict = getattr(config, "strict_layer_scale", False)
     layer_scale = plan_layer_scale(
         infos, expected, strict=strict, reinit=reinit_layer_scale, variant_has=variant_layer_scale
@@ -144,6 +130,28 @@ def fit_to_model(
     plan = Plan(native, _in_model_order(steps, expected))
     _check_complete(plan, expected, layout, model_name)
     return Fitted(layout, plan, filled, list(dict.fromkeys(dropped)), layer_scale, warnings)
+
+
+def _drop_what_the_model_lacks(
+    infos: Mapping[str, TensorInfo], expected: Mapping[str, Tensor], steps: dict
+) -> list[str]:
+    """Takes out of `steps` the checkpoint's tensors a model built without them may drop (a masked bias is
+    folded into its bias instead), and says what they were."""
+    dropped = []
+    for key in [k for k in infos if k not in expected]:
+        if key.startswith("local_cls_norm."):
+            dropped.append(
+                "local_cls_norm (only used in local-crop pretraining; build with local_cls_norm=True to keep it)"
+            )
+        elif key.startswith("head."):
+            dropped.append("the checkpoint's classifier head (the model has num_classes=0)")
+        elif key.endswith("attn.qkv.bias_mask") and key[: -len("_mask")] in expected and key[: -len("_mask")] in infos:
+            bias = key[: -len("_mask")]  # the model has no mask: its bias becomes the masked one
+            steps[bias] = Step((bias,), (bias, key), lambda b, m: (effective_qkv_bias(b, m),))
+        else:
+            continue
+        del steps[key]
+    return dropped
 
 
 def _fill(
