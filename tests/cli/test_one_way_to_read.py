@@ -18,7 +18,7 @@ SHAPE = ["embed_dim=64", "num_heads=4", "depth=2"]
 # (the variant, its arguments at test size, the layouts convert writes it to and every command reads back)
 FAMILIES = {
     "dinov3": ("vit_ls_small_patch16_dinov3", {}, ["native", "meta", "meta-train", "hf", "timm"]),
-    "sapiens2": ("vit_ls_base_patch16_sapiens2", {"num_kv_heads": [4, 2]}, ["native", "hf", "sapiens2"]),
+    "sapiens2": ("vit_ls_base_patch16_sapiens2", {"num_kv_heads": [4, 2]}, ["native", "hf", "timm", "sapiens2"]),
 }
 SUFFIX = {"meta": ".pth", "sapiens2": ".safetensors"}
 
