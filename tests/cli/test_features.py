@@ -370,3 +370,29 @@ def test_wide_images_are_shown_by_their_range(mode, values, tmp_path, capsys):
     assert main(args) == 0, capsys.readouterr().err
     shown = np.asarray(Image.open(next(out.glob("*_pca.png"))))[:, :64]
     assert shown.min() < 30 and shown.max() > 225  # the whole range, not clipped to one end
+
+
+def test_the_foreground_over_two_images_is_dinov2s_rule_by_numpys_svd(weights, tmp_path, capsys):
+    """Joint: one first component over both images, its sign from both images' borders, the colours fitted on
+    the foreground of both; computed here from numpy's SVD of the model's tokens."""
+    model, file = weights[OURS]
+    images = [draw_image(tmp_path / "a.png", (128, 96), 1), draw_image(tmp_path / "b.png", (96, 128), 2)]
+    args = ["features", *map(str, images), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "native", "--out", str(tmp_path / "out"), "--foreground"]) == 0
+    tokens = [model_tokens(model, p, 16).astype(np.float64) for p in images]
+    grids = [(6, 8), (8, 6)]
+    x = np.concatenate(tokens)
+    _, _, vt = np.linalg.svd(x - x.mean(0), full_matrices=False)
+    first = (x - x.mean(0)) @ vt[0]
+    edges = np.concatenate([np.split(first, [48])[i][dense.border(g)] for i, g in enumerate(grids)])
+    keep = -first > 0 if (edges > 0).mean() > 0.5 else first > 0
+    kept = x[keep]
+    _, singular, vt = np.linalg.svd(kept - kept.mean(0), full_matrices=False)
+    signs = np.sign(vt[np.arange(3), np.abs(vt[:3]).argmax(1)])
+    projected = (x - kept.mean(0)) @ (vt[:3] * signs[:, None]).T / (singular[:3] / np.sqrt(len(kept) - 1))
+    rgb = np.rint(255 / (1 + np.exp(-2 * projected))) * keep[:, None]
+    assert f"{int(keep.sum())} of 96 patches" in capsys.readouterr().out
+    assert 0 < keep.sum() < len(keep)
+    for image, expected in zip(images, np.split(rgb, [48])):
+        got = right_half_at_patch_centres(tmp_path / "out" / f"{image.stem}_pca.png", 16)
+        assert np.abs(got - expected).max() <= 1

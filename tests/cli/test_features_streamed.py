@@ -17,8 +17,9 @@ from PIL import Image
 from safetensors.torch import save_file
 from support import move_off_init_
 
+from timm_layerscale.cli import features as command
 from timm_layerscale.tools import feature_memory, feature_pictures
-from timm_ls.main import main
+from timm_ls.main import main, parse
 
 OURS = "vit_ls_small_patch16_dinov3"
 SMALL = ["--model-kwargs", "depth=2", "embed_dim=64", "num_heads=4"]
@@ -156,3 +157,17 @@ def test_random_images_give_pictures_or_one_line(seed, checkpoint, tmp_path, cap
         written = sorted(p.name for p in (tmp_path / "out").iterdir())
         assert written == sorted(f"{f.stem}_pca.png" for f in files), (written, files)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_on_a_gpu_the_count_adds_the_models_weights_at_the_run_dtype(dtype, checkpoint, tmp_path):
+    """On the CPU the loaded weights are in memory already; on a GPU they are moved there, so they count."""
+    image = noise(tmp_path / "a.png", (64, 48))
+    args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--dtype", dtype])
+    loaded = command.load_model(args)
+    jobs = feature_pictures.plan_images([image], 768, 16)
+    on_cpu, _ = command.need(loaded, jobs, args, torch.device("cpu"))
+    on_gpu, _ = command.need(loaded, jobs, args, torch.device("cuda"))
+    element = 2 if dtype == "bf16" else 4
+    weights = sum(t.numel() for t in [*loaded.model.parameters(), *loaded.model.buffers()]) * element
+    assert on_gpu - on_cpu == weights > 0
