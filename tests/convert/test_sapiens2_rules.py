@@ -14,7 +14,7 @@ import timm
 import torch
 from safetensors.torch import load_file, save_file
 from support import FIXTURES, assert_fp32_close, move_off_init_, relative_diff
-from transformers import Sapiens2Config, Sapiens2Model
+from transformers import AutoModel, Sapiens2Config, Sapiens2Model
 
 from timm_layerscale import convert_checkpoint
 from timm_layerscale.checkpoints.formats import get_format
@@ -57,8 +57,10 @@ def transformers_outputs(model: Sapiens2Model) -> torch.Tensor:
 
 
 def loaded_by_transformers(folder: Path) -> Sapiens2Model:
-    """Sapiens2Model from our folder, every key of the model in the file and every key of the file used."""
-    model, info = Sapiens2Model.from_pretrained(folder, output_loading_info=True)
+    """Sapiens2Model from our folder, as AutoModel picks it, every key of the model in the file and every key of
+    the file used."""
+    model, info = AutoModel.from_pretrained(folder, output_loading_info=True)
+    assert isinstance(model, Sapiens2Model), type(model).__name__
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 
@@ -75,6 +77,7 @@ def cli(*args: str) -> tuple[int, str, str]:
     [
         dict(rms_norm_eps=0.1),  # the eps moves the outputs far past fp32 noise at this value
         dict(use_qk_norm=False),
+        dict(use_mask_token=True),  # pretraining checkpoints have one
         dict(num_first_full_attention_layers=2, num_last_full_attention_layers=0),
     ],
     ids=lambda f: next(iter(f)),
@@ -89,6 +92,7 @@ def test_a_sapiens2_config_becomes_our_model_and_back(fields, tmp_path):
     model = ours(tmp_path / "native")
     config = model.config
     assert config.norm_eps == ref.config.rms_norm_eps and config.qk_norm == ref.config.use_qk_norm
+    assert config.mask_token == ref.config.use_mask_token
     assert config.num_kv_heads == ref.config.num_key_value_heads_per_layer
     assert not config.mask_k_bias and "blocks.0.attn.qkv.bias_mask" not in model.state_dict()
     with torch.no_grad():
@@ -194,6 +198,23 @@ def test_layer_scale_on_the_mlp_branch_is_refused_by_both_sapiens2_layouts(to, n
         assert_fp32_close(ours(tmp_path / "back").forward_features(IMAGES), expected)
 
 
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"rope_normalize_coords": "max"}, "rope_normalize_coords"),  # Sapiens2Model normalises per side
+        ({"ffn_layer": "mlp"}, "ffn_layer"),  # and, as we write it, SwiGLU
+    ],
+)
+def test_what_sapiens2model_fixes_otherwise_is_refused(change, named, tmp_path):
+    """A Sapiens2-family model with a value Sapiens2Model fixes otherwise: one line naming it and where to
+    convert instead, exit 2, nothing written."""
+    save_native(our_sapiens2(**change), tmp_path / "src")
+    code, out, err = cli("convert", str(tmp_path / "src"), str(tmp_path / "hf"), "--to", "hf")
+    assert code == 2 and out == "", out
+    assert len(err.strip().splitlines()) == 1 and named in err and "convert --to native" in err, err
+    assert not (tmp_path / "hf").exists()
+
+
 # Upstream's Sapiens2 backbone as released (tests/fixtures/README.md): its keys are the layout's.
 UPSTREAM = FIXTURES / "sapiens2_fixture.safetensors"
 UPSTREAM_SHAPE = dict(embed_dim=32, num_heads=4, depth=18, num_kv_heads=[4] * 8 + [2] * 2 + [4] * 8, ffn_ratio=0.75)
@@ -220,6 +241,29 @@ def test_a_model_without_layer_scale_is_written_with_upstreams_keys_exactly(tmp_
     written, upstream = load_file(tmp_path / "own.safetensors"), load_file(UPSTREAM)
     assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in upstream.items()}
     assert all(torch.equal(written[f"blocks.{i}.attn.gamma.weight"], torch.ones(32)) for i in range(18))
+
+
+def test_a_mask_token_is_written_as_upstreams_pretraining_files_hold_it(tmp_path):
+    """Upstream's pretraining checkpoints hold `mask_token` [1, dim]: written so, and read back the same."""
+    model = our_sapiens2(mask_token=True)
+    save_native(model, tmp_path / "src")
+    convert_checkpoint(tmp_path / "src", tmp_path / "own.safetensors", to="sapiens2")
+    written = load_file(tmp_path / "own.safetensors")
+    assert torch.equal(written["mask_token"], model.mask_token.detach().reshape(1, -1))
+    kwargs = {**OURS, "mask_token": True}
+    convert_checkpoint(
+        tmp_path / "own.safetensors", tmp_path / "back", to="native", model=SAPIENS2_VARIANT, model_kwargs=kwargs
+    )
+    assert torch.equal(ours(tmp_path / "back").mask_token, model.mask_token)
+
+
+def test_a_dinov3_model_is_refused_by_sapiens2s_layout_by_its_family(tmp_path):
+    torch.manual_seed(0)
+    save_native(timm.create_model("vit_ls_small_patch16_dinov3", embed_dim=32, num_heads=4, depth=2), tmp_path / "src")
+    code, out, err = cli("convert", str(tmp_path / "src"), str(tmp_path / "own.pth"), "--to", "sapiens2")
+    assert code == 2 and out == "", out
+    assert len(err.strip().splitlines()) == 1 and "cannot hold a dinov3 model" in err, err
+    assert not (tmp_path / "own.pth").exists()
 
 
 def test_a_task_head_beside_the_backbone_is_refused(tmp_path):
