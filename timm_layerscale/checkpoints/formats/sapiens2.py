@@ -35,6 +35,10 @@ def _split_halves(packed: Tensor, **_) -> tuple[Tensor, ...]:
     return packed.chunk(2)
 
 
+def _mask_token_to_native(token: Tensor, **_) -> tuple[Tensor]:
+    return (token.reshape(1, -1),)  # transformers' Sapiens2Model saves it [1, 1, dim] beside upstream's keys
+
+
 class Sapiens2Table(KeyTable):
     """The key table, refusing in one line what it cannot read rather than passing it on."""
 
@@ -52,7 +56,7 @@ TABLE = Sapiens2Table(
     (
         row("cls_token", "cls_token"),
         row("storage_tokens", "storage_tokens"),
-        row("mask_token", "mask_token"),  # in pretraining checkpoints only
+        row("mask_token", "mask_token", _mask_token_to_native),  # in pretraining checkpoints only
         row("patch_embed.proj.{p}", "patch_embed.projection.{p}"),
         row("rope_embed.periods", "rope_embed.periods"),
         row("blocks.{i}.norm1.weight", "blocks.{i}.ln1.weight"),
@@ -65,7 +69,8 @@ TABLE = Sapiens2Table(
         row(("blocks.{i}.mlp.w1.{p}", "blocks.{i}.mlp.w2.{p}"), "blocks.{i}.ffn.w12.{p}", _split_halves, fuse),
         row("blocks.{i}.mlp.w3.{p}", "blocks.{i}.ffn.w3.{p}"),
         row("norm.weight", "ln1.weight"),
-    )
+    ),
+    aliases=(("embeddings.mask_token", "mask_token"),),  # transformers' name for it, left by its key mapping
 )
 
 
