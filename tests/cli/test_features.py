@@ -383,7 +383,7 @@ def test_the_foreground_over_two_images_is_dinov2s_rule_by_numpys_svd(weights, t
     grids = [(6, 8), (8, 6)]
     x = np.concatenate(tokens)
     _, _, vt = np.linalg.svd(x - x.mean(0), full_matrices=False)
-    first = (x - x.mean(0)) @ vt[0]
+    first = (x - x.mean(0)) @ (vt[0] * np.sign(vt[0][np.abs(vt[0]).argmax()]))  # the sign rule, then the borders'
     edges = np.concatenate([np.split(first, [48])[i][dense.border(g)] for i, g in enumerate(grids)])
     keep = -first > 0 if (edges > 0).mean() > 0.5 else first > 0
     kept = x[keep]
