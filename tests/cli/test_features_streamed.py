@@ -171,3 +171,20 @@ def test_on_a_gpu_the_count_adds_the_models_weights_at_the_run_dtype(dtype, chec
     element = 2 if dtype == "bf16" else 4
     weights = sum(t.numel() for t in [*loaded.model.parameters(), *loaded.model.buffers()]) * element
     assert on_gpu - on_cpu == weights > 0
+
+
+def test_a_large_file_at_a_small_size_peaks_while_it_is_read(checkpoint, tmp_path, capsys):
+    """The file decoded and converted to RGB are both held (PIL's `convert` copies, 4 bytes a pixel each):
+    a 4000x3000 file read for a 64 px run peaks there, at no less than those two."""
+    image = noise(tmp_path / "big.png", (4000, 3000))
+    args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--size", "64"])
+    loaded = command.load_model(args)
+    (job,) = feature_pictures.plan_images([image], 64, 16)
+    counted, peak = command.need(loaded, [job], args, torch.device("cpu"))
+    assert peak.phase == "reading" and counted >= 2 * 4 * 4000 * 3000
+    assert main([*args_of(image, checkpoint), "--size", "64", "--out", str(tmp_path / "out")]) == 0
+    assert "at the peak (reading 1 image of 80x64 px" in capsys.readouterr().out
+
+
+def args_of(image, checkpoint):
+    return ["features", str(image), "--checkpoint", str(checkpoint), *SMALL]
