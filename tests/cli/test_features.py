@@ -376,7 +376,8 @@ def test_the_foreground_over_two_images_is_dinov2s_rule_by_numpys_svd(weights, t
     """Joint: one first component over both images, its sign from both images' borders, the colours fitted on
     the foreground of both; computed here from numpy's SVD of the model's tokens."""
     model, file = weights[OURS]
-    images = [draw_image(tmp_path / "a.png", (128, 96), 1), draw_image(tmp_path / "b.png", (96, 128), 2)]
+    # Seeds whose border patches are not split evenly (26 of 48 above the threshold): the vote decides the sign.
+    images = [draw_image(tmp_path / "a.png", (128, 96), 5), draw_image(tmp_path / "b.png", (96, 128), 6)]
     args = ["features", *map(str, images), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
     assert main([*args, "--size", "native", "--out", str(tmp_path / "out"), "--foreground"]) == 0
     tokens = [model_tokens(model, p, 16).astype(np.float64) for p in images]
@@ -396,3 +397,15 @@ def test_the_foreground_over_two_images_is_dinov2s_rule_by_numpys_svd(weights, t
     for image, expected in zip(images, np.split(rgb, [48])):
         got = right_half_at_patch_centres(tmp_path / "out" / f"{image.stem}_pca.png", 16)
         assert np.abs(got - expected).max() <= 1
+
+
+def test_images_of_one_size_in_one_batch_are_fitted_together(weights, tmp_path):
+    """Two images of one size share a forward; the joint PCA still takes every image's patches."""
+    model, file = weights[OURS]
+    images = [draw_image(tmp_path / f"{n}.png", (128, 96), seed) for n, seed in (("a", 1), ("b", 2), ("c", 3))]
+    args = ["features", *map(str, images), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "native", "--batch", "3", "--out", str(tmp_path / "out")]) == 0
+    expected = numpy_colours([model_tokens(model, p, 16) for p in images])
+    for image, colours in zip(images, expected):
+        got = right_half_at_patch_centres(tmp_path / "out" / f"{image.stem}_pca.png", 16)
+        assert np.abs(got - colours).max() <= 1
