@@ -111,8 +111,8 @@ def convert_checkpoint(
     progress: bool | None = None,
     **options: Any,
 ) -> Conversion:
-    """Converts a checkpoint to the format `to` ("native", "meta", "meta-train", "hf", "timm", or one registered
-    with `register_format`) at `dst`, tensor by tensor.
+    """Converts a checkpoint to the format `to` ("native", "meta", "meta-train", "hf", "timm", "sapiens2", or one
+    registered with `register_format`) at `dst`, tensor by tensor.
 
     `model` is a variant name (`NAME` or `NAME.TAG`) or a variant YAML file; without it the variant is the one
     nearest the weights' shapes (a folder's config.json completing its arguments). `model_kwargs` override its

@@ -95,7 +95,7 @@ def _make_blocks(cfg: VitLsConfig, norm_layer: Callable[[int], nn.Module]) -> nn
 
 
 class VisionTransformerLS(nn.Module):
-    """Vision Transformer with LayerScale on both residual branches of every block (DINOv3 layout).
+    """Vision Transformer with LayerScale on the branches `init_values` names (Sapiens2's: attention only).
 
     Build it from a `VitLsConfig`, keyword overrides of its fields, or both. `device` and `dtype` place
     the parameters at construction (`device="meta"` allocates nothing).

@@ -48,6 +48,7 @@ LAYERS = (
     ("probe", 7),
     ("cli.__main__", 9),  # `python -m timm_layerscale.cli`: the entry point's other name
     ("cli", 8),
+    ("docs_tables", 9),  # the README's and docs' tables from the registry, the commands' parsers and `list`
     ("timm_ls", 9),  # the entry point: it loads a command's module when that command runs
     ("", 9),  # the package itself: its public names
 )

@@ -17,7 +17,7 @@ def _shipped(source: str) -> bool:
     return Path(source).resolve().parent == config_dir().resolve()
 
 
-def _licences(licenses: dict[str, str | None]) -> str:
+def licence_text(licenses: dict[str, str | None]) -> str:
     """The first tag's licence, then each tag with another: `dinov3-license; eupe_lvd1689m: fair-...`."""
     named = {tag: license or "unknown" for tag, license in licenses.items()}
     if not named:
@@ -26,7 +26,9 @@ def _licences(licenses: dict[str, str | None]) -> str:
     return "; ".join([first, *(f"{tag}: {license}" for tag, license in named.items() if license != first)])
 
 
-def execute(args: argparse.Namespace) -> int:
+def registered_variants() -> list[dict]:
+    """Each registered variant, by name: its parameter count (on the meta device), tags with their Hub repos,
+    licences, YAML file and whether it is shipped. What `timm-ls list` prints and the README's table shows."""
     found = []
     for name, variant in sorted(VARIANTS.items()):
         params = sum(p.numel() for p in timm.create_model(name, device="meta").parameters())
@@ -42,12 +44,18 @@ def execute(args: argparse.Namespace) -> int:
                 shipped=_shipped(variant.source),
             )
         )
+    return found
+
+
+def execute(args: argparse.Namespace) -> int:
+    found = registered_variants()
     if args.json:
         print(json.dumps(found, indent=1))
         return 0
     header = ["variant", "params", "pretrained tags", "licence"]
     rows = [
-        [v["name"], f"{v['params'] / 1e6:,.1f}M", ", ".join(v["tags"]) or "-", _licences(v["licenses"])] for v in found
+        [v["name"], f"{v['params'] / 1e6:,.1f}M", ", ".join(v["tags"]) or "-", licence_text(v["licenses"])]
+        for v in found
     ]
     if not all(v["shipped"] for v in found):  # a variant registered from the user's own YAML says which file
         header.append("config")

@@ -5,7 +5,7 @@
 | native | native.py | `model.safetensors` | timm `config.json`: a shipped vit_ls architecture and every model arg |
 | meta | meta.py | one `.pth` (or `.safetensors`) | none (Meta's code builds the model) |
 | meta-train | meta_train.py | `{"teacher": ...}` `.pth`, or a DCP folder (`model.*`) | Meta's training YAML (printed) |
-| hf | transformers.py | `model.safetensors` (sharded above 5 GB, with an index) | transformers `config.json` |
+| hf | hf.py | `model.safetensors` (sharded above 5 GB, with an index) | transformers `config.json` |
 | timm | timm.py | `model.safetensors` | timm `config.json`: eva's architecture of the family (`_qkvb` for q/v biases) |
 | sapiens2 | sapiens2.py | one `.pth` (or `.safetensors`) | none (upstream's code builds the model) |
 

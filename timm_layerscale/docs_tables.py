@@ -1,0 +1,179 @@
+"""The README's and the docs' tables, written from the registry: the shipped variants as `timm-ls list` counts
+them, the formats `convert --to` takes and the command's usage line, each between two marker comments:
+
+    <!-- generated: variants -->
+    ...
+    <!-- end generated -->
+
+Regenerate them after adding a variant or a format: `python -m timm_layerscale.docs_tables --write`.
+`--check` (the default) names each page that differs and exits 1; tests/packaging/test_generated_docs.py runs
+it, so a variant or format added without regenerating fails the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from timm_ls import paths
+from timm_ls.names import FORMATS
+from timm_ls.parsers import make_parser
+
+from .cli.listing import licence_text, registered_variants
+from .variants import VARIANTS
+
+__all__ = ["PAGES", "generated_sections", "main", "render", "stale_pages"]
+
+PAGES = ("README.md", "docs/commands/convert.md")
+MARKED = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
+OPENING = re.compile(r"<!-- generated: ([\w-]+) -->")
+REGENERATE = "python -m timm_layerscale.docs_tables --write"
+
+# A variant's family is the last part of its name (`vit_ls_base_patch16_<family>`); a tag's weights are of
+# another family where the tag starts with one of WEIGHT_FAMILIES (EUPE's weights in DINOv3's architecture).
+FAMILIES = {"dinov3": "DINOv3", "lingbot": "LingBot-Vision", "sapiens2": "Sapiens2"}
+WEIGHT_FAMILIES = {"eupe": "EUPE"}
+USAGE_WIDTH = 110
+
+
+def variant_families(name: str, tags: Sequence[str]) -> list[str]:
+    """The families of a variant's weights, in tag order (the architecture's family where it has no tags)."""
+    suffix = name.rpartition("_")[2]
+    if suffix not in FAMILIES:
+        raise ValueError(f"variant {name}: no family is named {suffix!r}; add it to docs_tables.FAMILIES")
+    found = [next((f for p, f in WEIGHT_FAMILIES.items() if tag.startswith(p)), FAMILIES[suffix]) for tag in tags]
+    return list(dict.fromkeys(found or [FAMILIES[suffix]]))
+
+
+def _layer_scale(attn: float | None, mlp: float | None) -> str:
+    branches = [name for name, value in (("attention", attn), ("MLP", mlp)) if value is not None]
+    return " and ".join(branches) or "off"
+
+
+def variants_table(found: Sequence[Mapping[str, Any]]) -> str:
+    """The shipped variants, one row each, with what `timm-ls list` prints of them and their shapes."""
+    lines = [
+        "| variant | family | width | depth | heads | params | LayerScale | tags | licence |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for record in found:
+        if not record["shipped"]:
+            continue
+        config = VARIANTS[record["name"]].config
+        heads = f"{config.num_heads}" + (" (grouped k/v)" if config.grouped_attention else "")
+        tags = ", ".join(f"`{tag}`" for tag in record["tags"]) or "none (architecture only)"
+        cells = [
+            f"`{record['name']}`",
+            ", ".join(variant_families(record["name"], list(record["tags"]))),
+            str(config.embed_dim),
+            str(config.depth),
+            heads,
+            f"{record['params'] / 1e6:,.1f}M",
+            _layer_scale(*config.layer_init_values[0]),
+            tags,
+            licence_text(record["licenses"]) if record["tags"] else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def formats_list() -> str:
+    """Every `--to` name with what it is, in the order the command lists them."""
+    return "".join(f"- `{spec.name}`: {spec.description}\n" for spec in FORMATS)
+
+
+def _top_level_words(text: str) -> list[str]:
+    """`a [b [c ...]] {d,e}` -> ["a", "[b [c ...]]", "{d,e}"]: words split at spaces outside brackets."""
+    words, depth, word = [], 0, ""
+    for char in text:
+        depth += (char in "[{(") - (char in "]})")
+        if char == " " and depth == 0:
+            words.append(word)
+            word = ""
+        else:
+            word += char
+    return [w for w in [*words, word] if w]
+
+
+def command_usage(command: str) -> str:
+    """A command's usage as its parser gives it, positionals first, wrapped under the command's name."""
+    (subparsers,) = (a for a in make_parser("")._actions if isinstance(a, argparse._SubParsersAction))
+    parser = subparsers.choices[command]
+    formatter = argparse.HelpFormatter(parser.prog, width=10**6)
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
+    words = [w for w in _top_level_words(formatter.format_help().strip()) if w != "[-h]"]
+    words = words[len(parser.prog.split()) :]
+    positionals = [a.metavar or a.dest for a in parser._actions if not a.option_strings]
+    words = [w for w in words if w in positionals] + [w for w in words if w not in positionals]
+    lines, line = [], parser.prog
+    for word in words:
+        if len(line) + 1 + len(word) > USAGE_WIDTH:
+            lines.append(line)
+            line = " " * len(parser.prog) + " " + word
+        else:
+            line += " " + word
+    return "```text\n" + "\n".join([*lines, line]) + "\n```\n"
+
+
+def generated_sections() -> dict[str, Callable[[], str]]:
+    """Each marked section's name -> what renders it now."""
+    return {
+        "variants": lambda: variants_table(registered_variants()),
+        "formats": formats_list,
+        "convert-usage": lambda: command_usage("convert"),
+    }
+
+
+def render(text: str, sections: Mapping[str, str], page: str = "page") -> str:
+    """`text` with each marked section's body replaced by `sections[name]`; an unknown or unclosed marker is
+    an error naming the page."""
+    closed = {m.group("name") for m in MARKED.finditer(text)}
+    for name in OPENING.findall(text):
+        if name not in sections:
+            raise ValueError(f"{page}: no generated section is named {name!r}; known: {sorted(sections)}")
+        if name not in closed:
+            raise ValueError(f"{page}: the section {name!r} has no `<!-- end generated -->` after it")
+    return MARKED.sub(lambda m: m.group(1) + sections[m.group("name")] + m.group(4), text)
+
+
+def stale_pages(root: Path, pages: Sequence[str] = PAGES) -> dict[str, str]:
+    """The pages under `root` whose generated sections differ from the registry's, with their text as now."""
+    sections = {name: make() for name, make in generated_sections().items()}
+    stale = {}
+    for page in pages:
+        text = (root / page).read_text()
+        rendered = render(text, sections, page)
+        if rendered != text:
+            stale[page] = rendered
+    return stale
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m timm_layerscale.docs_tables", description=__doc__.split("\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the pages whose generated sections differ")
+    parser.add_argument("--root", type=Path, default=paths.package_dir().parent, help="the source checkout")
+    args = parser.parse_args(argv)
+    missing = [page for page in PAGES if not (args.root / page).is_file()]
+    if missing:
+        print(f"docs_tables: error: {args.root} has no {', '.join(missing)}; pass --root CHECKOUT", file=sys.stderr)
+        return 2
+    try:
+        stale = stale_pages(args.root)
+    except ValueError as error:  # a marker without its section or its end: the page's own line
+        print(f"docs_tables: error: {error}", file=sys.stderr)
+        return 2
+    for page, text in stale.items():
+        if args.write:
+            (args.root / page).write_text(text)
+        print(f"{'rewrote' if args.write else 'differs from the registry:'} {page}")
+    if stale and not args.write:
+        print(f"regenerate with: {REGENERATE}", file=sys.stderr)
+    return 1 if stale and not args.write else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
