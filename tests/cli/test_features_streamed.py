@@ -188,3 +188,12 @@ def test_a_large_file_at_a_small_size_peaks_while_it_is_read(checkpoint, tmp_pat
 
 def args_of(image, checkpoint):
     return ["features", str(image), "--checkpoint", str(checkpoint), *SMALL]
+
+
+def test_a_spool_that_would_not_fit_on_the_disk_is_refused_in_one_line(checkpoint, tmp_path, capsys, monkeypatch):
+    image = noise(tmp_path / "a.png", (64, 48))
+    monkeypatch.setattr(command, "free_disk", lambda folder: 1000)  # bytes free beside the destination
+    assert main([*args_of(image, checkpoint), "--size", "48", "--out", str(tmp_path / "out")]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert "on disk while the command runs and 0.0 GiB is free beside" in err and "a smaller --size" in err, err
+    assert not (tmp_path / "out").exists()
