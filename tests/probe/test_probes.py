@@ -32,6 +32,14 @@ def test_knn_probabilities_match_the_dense_formula():
             np.add.at(expected[row], train_labels.numpy()[order[:k]], (w / w.sum())[:k])
         np.testing.assert_allclose(result.probabilities[k].numpy(), expected, atol=1e-6)
         assert abs(result.top1[k] - 100 * (expected.argmax(1) == test_labels.numpy()).mean()) < 1e-4
+        # top-5 where ties (classes with no vote at small k) may fall either way: between the rows whose label
+        # beats all but 4 classes outright and those it ties for a place in the 5
+        mine = expected[np.arange(50), test_labels.numpy()][:, None]
+        surely = 100 * (((expected >= mine).sum(1) - 1) < 5).mean()
+        maybe = 100 * ((expected > mine).sum(1) < 5).mean()
+        assert surely - 1e-4 <= result.top5[k] <= maybe + 1e-4
+        if surely == maybe:
+            assert abs(result.top5[k] - surely) < 1e-4
 
 
 def test_logistic_regression_matches_sklearn_on_the_same_split():
@@ -50,5 +58,6 @@ def test_logistic_regression_matches_sklearn_on_the_same_split():
     assert result.best_c == best
     refit = LogisticRegression(C=best, max_iter=200, tol=1e-6).fit(x, y)
     assert result.top1 == 100 * (refit.predict(val.double().numpy()) == val_labels.numpy()).mean()
+    np.testing.assert_allclose(result.probabilities, refit.predict_proba(val.double().numpy()), atol=1e-12)
     again = logistic_regression(train, train_labels, val, val_labels, c_grid=grid, seed=0, max_iter=200, tol=1e-6)
     assert (again.best_c, again.top1) == (result.best_c, result.top1)
