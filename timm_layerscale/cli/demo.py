@@ -139,6 +139,8 @@ def watch_training(args: argparse.Namespace) -> int:
     changes = _gamma_changes(run.before, after)
     title = f"{run.name} ({run.shrink}), {experiment.train.steps} steps on generated shapes"
     Path(args.out).mkdir(parents=True, exist_ok=True)  # a given --out's parent exists; the default's may not
+    side = experiment.data.image_size  # what it learned on: its data config says so, not the variant's size
+    run.model.pretrained_cfg = {**run.model.pretrained_cfg, "input_size": (3, side, side)}
     run.saved = save_native(run.model.eval(), Path(args.out) / "model", overwrite=True)
     plot_line = draw(run.plot, gamma_stats(after), title, before=gamma_stats(run.before))
     if args.json:
