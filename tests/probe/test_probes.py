@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+import pytest
 import torch
 from sklearn.linear_model import LogisticRegression
 
@@ -61,3 +64,25 @@ def test_logistic_regression_matches_sklearn_on_the_same_split():
     np.testing.assert_allclose(result.probabilities, refit.predict_proba(val.double().numpy()), atol=1e-12)
     again = logistic_regression(train, train_labels, val, val_labels, c_grid=grid, seed=0, max_iter=200, tol=1e-6)
     assert (again.best_c, again.top1) == (result.best_c, result.top1)
+
+
+def test_per_class_accuracy_is_each_classs_share_of_its_rows_predicted_right():
+    """kNN's and the logistic regression's per-class accuracies, recomputed from their own probabilities; a class
+    with no val row is NaN, and the classes' mean is not the overall top-1 when the classes differ in size."""
+    g = torch.Generator().manual_seed(3)
+    centres = torch.randn(4, 16, generator=g) * 2
+    train_labels = torch.arange(4).repeat_interleave(25)
+    train = centres[train_labels] + torch.randn(100, 16, generator=g) * 1.5
+    val_labels = torch.tensor([0] * 12 + [1] * 3 + [2] * 6)  # class 3 has no val row
+    val = centres[val_labels] + torch.randn(len(val_labels), 16, generator=g) * 1.5
+    found = knn(train, train_labels, val, val_labels, ks=[10])
+    fitted = logistic_regression(train, train_labels, val, val_labels, max_iter=50)
+    for probabilities, per_class in (
+        (found.probabilities[10], found.per_class[10]),
+        (torch.from_numpy(fitted.probabilities), fitted.per_class),
+    ):
+        predicted = probabilities.argmax(1)
+        for c in range(3):
+            rows = val_labels == c
+            assert per_class[c] == pytest.approx(100.0 * float((predicted[rows] == c).float().mean()))
+        assert math.isnan(per_class[3])
