@@ -29,8 +29,18 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+_ARRIVED: list[int] = []  # the signals `_raise` turned into `Interrupted` since `interruptible` began
+
+
 def _raise(signum: int, frame: FrameType | None) -> None:
+    _ARRIVED.append(signum)
     raise Interrupted(signum)
+
+
+def arrived() -> int | None:
+    """The first signal that interrupted the command, also where the library code it landed in turned the
+    `Interrupted` into an error of its own (torch's loaders do); None if none came."""
+    return _ARRIVED[0] if _ARRIVED else None
 
 
 def _in_main_thread() -> bool:
@@ -42,6 +52,7 @@ def interruptible() -> Iterator[None]:
     """While the block runs, SIGINT and SIGTERM raise `Interrupted`; a signal the process was started ignoring
     (`nohup`, a background job) or that another handler already takes is left alone."""
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    _ARRIVED.clear()
     old = {}
     if _in_main_thread():
         old = {sig: signal.signal(sig, _raise) for sig in HANDLED if signal.getsignal(sig) is defaults[sig]}

@@ -20,7 +20,7 @@ from types import ModuleType
 
 from .checks import CHECKS
 from .errors import CliError
-from .interrupts import interruptible
+from .interrupts import arrived, interruptible
 from .parsers import COMMANDS, DEFAULT_COMMAND, make_parser
 
 
@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CliError, ValueError, OSError) as exc:
         if args.debug:
             raise
+        if (signum := arrived()) is not None:  # the signal, turned into this error where it landed: it is the cause
+            print(interrupted_line(args), file=sys.stderr)
+            return 128 + signum
         message = " ".join(str(exc).split()) or type(exc).__name__
         print(f"timm-ls: error: {message}", file=sys.stderr)
         return 2

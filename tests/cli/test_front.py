@@ -3,6 +3,7 @@ and a bad destination are checked by `timm_ls` alone, with one line each, the sa
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ from safetensors.torch import save_file
 
 from timm_ls import paths
 from timm_ls.checks import names_a_path
+from timm_ls.interrupts import arrived, interruptible
 from timm_ls.main import main
 from timm_ls.parsers import COMMANDS
 
@@ -177,3 +179,20 @@ def test_an_os_error_of_a_command_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err == (
         "timm-ls: error: [Errno 2] No such file or directory: '/nonexistent-folder/file'\n"
     )
+
+
+def test_a_signal_is_known_to_have_come_where_library_code_turned_it_into_its_own_error():
+    """torch's loaders catch an exception raised inside them and raise their own: the command can still tell
+    that a signal came (the entry point then reports the signal, not the library's words)."""
+    with interruptible():
+        assert arrived() is None
+        try:
+            try:
+                signal.raise_signal(signal.SIGTERM)  # the command's handler raises Interrupted right here
+            except KeyboardInterrupt:
+                raise ValueError("could not determine the shape of object type 'UntypedStorage'") from None
+        except ValueError:
+            pass
+    assert arrived() == signal.SIGTERM
+    with interruptible():
+        assert arrived() is None  # each command starts with none
