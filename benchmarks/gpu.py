@@ -62,8 +62,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from timm_layerscale import fold_layer_scale, shard_model
 from timm_layerscale.checkpoints.formats.timm import TIMM
 from timm_layerscale.layers import RopeEmbedding, apply_rope
-from timm_layerscale.layers.attention import rotate_queries_keys
-from timm_layerscale.layers.rope import apply_rope_low_precision
+from timm_layerscale.layers.attention import rotate_heads
+from timm_layerscale.layers.rope import apply_rope_into
 
 from .common import (
     EVA,
@@ -252,17 +252,15 @@ def kernels_by_head_dim(device: torch.device, dtype: torch.dtype) -> dict[int, s
 
 
 def bench_rope(args, device, dtype, budget, results, overrides) -> None:
-    """The RoPE of one block alone, on the q/k slice of a qkv output at each variant's width: the model's
-    (`rotate_queries_keys`: in bf16 inference `apply_rope_low_precision` written back into qkv), the same
-    returning a new tensor, the plain `apply_rope`, and the roll-based form of before; median time and
-    peak memory above the input."""
+    """The RoPE of one block alone, on the q/k heads of a qkv output at each variant's width: the model's
+    (`rotate_heads`: in bf16 inference `apply_rope_into`, written back into qkv), the plain `apply_rope`,
+    and the roll-based form of before; median time and peak memory above the input."""
 
     def broadcast(f):
-        return lambda x, r: f(x, (r[0][:, None, None], r[1][:, None, None]))
+        return lambda x, r: f(x, (r[0][:, None], r[1][:, None]))
 
     forms = {  # the model's form rotates q and k in place (inference), so the rounds keep rotating them
-        "model's (in place)": rotate_queries_keys,
-        "low precision": broadcast(apply_rope_low_precision),
+        "model's (in place)": rotate_heads,
         "plain apply_rope": broadcast(apply_rope),
         "roll, before": broadcast(lambda x, r: (x * r[1]).add_(x.roll(x.shape[-1] // 2, dims=-1) * r[0]).to(x.dtype)),
     }
@@ -274,8 +272,8 @@ def bench_rope(args, device, dtype, budget, results, overrides) -> None:
             grid = size // config.patch_size
             sin, cos = RopeEmbedding(config.head_dim, num_prefix_tokens=config.num_prefix_tokens)(grid, grid)
             rope = (sin.to(device), cos.to(device))
-            shape = (args.batch, sin.shape[0], 3, config.num_heads, config.head_dim)
-            qk = torch.randn(shape, device=device).to(dtype)[:, :, :2]
+            shape = (args.batch, sin.shape[0], 3 * config.num_heads, config.head_dim)
+            qk = torch.randn(shape, device=device).to(dtype)[:, :, : 2 * config.num_heads]
             calls = {name: (lambda f=f, qk=qk, rope=rope: f(qk, rope)) for name, f in forms.items()}
             with torch.inference_mode():
                 times = interleaved(calls, args.rounds, device, budget, warmup=args.warmup)

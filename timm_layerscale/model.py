@@ -5,13 +5,12 @@ other layouts are converted on load by `timm_layerscale.checkpoints`. The forwar
 NaFlex batches (dicts of patches at each image's own aspect ratio, `--naflex-loader`) outside TorchScript.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 from timm.layers import PatchEmbed, register_notrace_function, trunc_normal_
-from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import global_pool_nlc
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -22,14 +21,17 @@ except ImportError:
     update_model_input_size = None
 
 from .checkpoints.load_hook import install_load_hook
-from .config import TRAINING_SWITCHES, VitLsConfig, feature_layers
+from .config import TRAINING_SWITCHES, VitLsConfig
+from .intermediates import IntermediatesMixin
 from .layers import (
+    FFN_LAYERS,
     NORMS,
     Block,
     KMaskedBiasLinear,
     LayerScale,
     RopeEmbedding,
     embed_patches,
+    ffn_hidden_features,
     make_norm,
     naflex_patch_centres,
     padding_key_mask,
@@ -69,13 +71,13 @@ def _make_blocks(cfg: VitLsConfig, norm_layer: Callable[[int], nn.Module]) -> nn
         rates = [cfg.drop_path_rate * i / max(cfg.depth - 1, 1) for i in range(cfg.depth)]
     else:
         rates = [cfg.drop_path_rate] * cfg.depth
+    mlp_hidden = ffn_hidden_features(cfg.embed_dim, cfg.ffn_layer, cfg.ffn_ratio, cfg.swiglu_align_to)
     return nn.ModuleList(
         Block(
             cfg.embed_dim,
             cfg.num_heads,
-            ffn_layer=cfg.ffn_layer,
-            ffn_ratio=cfg.ffn_ratio,
-            swiglu_align_to=cfg.swiglu_align_to,
+            mlp_hidden=mlp_hidden,
+            mlp_layer=FFN_LAYERS[cfg.ffn_layer],
             qkv_bias=cfg.qkv_bias,
             mask_k_bias=cfg.mask_k_bias,
             proj_bias=cfg.proj_bias,
@@ -88,13 +90,12 @@ def _make_blocks(cfg: VitLsConfig, norm_layer: Callable[[int], nn.Module]) -> nn
             stochastic_depth=cfg.stochastic_depth,
             num_kv_heads=cfg.layer_kv_heads[i],
             qk_norm=cfg.qk_norm,
-            rope_dtype=cfg.rope_dtype,
         )
         for i in range(cfg.depth)
     )
 
 
-class VisionTransformerLS(nn.Module):
+class VisionTransformerLS(IntermediatesMixin, nn.Module):
     """Vision Transformer with LayerScale on the branches `init_values` names (Sapiens2's: attention only).
 
     Build it from a `VitLsConfig`, keyword overrides of its fields, or both. `device` and `dtype` place
@@ -315,11 +316,12 @@ class VisionTransformerLS(nn.Module):
         prefix = torch.cat([cls_token, self.storage_tokens], dim=1).to(x.dtype)
         return torch.cat([prefix.expand(batch, -1, -1), x], dim=1)
 
-    def _rope_per_block(self, height: int, width: int) -> list[Rope]:
-        """Coordinate augmentation draws anew for every block in training, as in DINOv3 pretraining."""
+    def _rope_per_block(self, coords: torch.Tensor) -> list[Rope]:
+        """RoPE tables of patch centres `coords` for each block: computed once and shared, except that
+        coordinate augmentation draws anew for every block in training, as in DINOv3 pretraining."""
         if self.training and self.rope_embed.augments:
-            return [self.rope_embed(height, width) for _ in self.blocks]
-        return [self.rope_embed(height, width)] * len(self.blocks)
+            return [self.rope_embed.from_coords(coords) for _ in self.blocks]
+        return [self.rope_embed.from_coords(coords)] * len(self.blocks)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         if self.cls_norm is None:
@@ -327,13 +329,26 @@ class VisionTransformerLS(nn.Module):
         prefix = self.num_prefix_tokens
         return torch.cat([self.cls_norm(x[:, :prefix]), self.norm(x[:, prefix:])], dim=1)
 
-    def _run_blocks(self, x: torch.Tensor, ropes: list[Rope], attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ropes: list[Rope],
+        attn_mask: torch.Tensor | None = None,
+        keep: list[int] | None = None,
+        last: int = -1,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The blocks' output, and the outputs of the blocks at `keep`; blocks after `last` (when >= 0) are
+        not run."""
+        kept: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(block, x, ropes[i], attn_mask, use_reentrant=False)
-            else:
-                x = block(x, ropes[i], attn_mask)
-        return x
+            if last < 0 or i <= last:
+                if self.grad_checkpointing and not torch.jit.is_scripting():
+                    x = checkpoint(block, x, ropes[i], attn_mask, use_reentrant=False)
+                else:
+                    x = block(x, ropes[i], attn_mask)
+                if keep is not None and i in keep:
+                    kept.append(x)
+        return x, kept
 
     def forward_features(
         self, x: torch.Tensor | dict[str, Any], masks: torch.Tensor | None = None
@@ -346,7 +361,8 @@ class VisionTransformerLS(nn.Module):
             return self._naflex_features(x)
         height, width = self._patch_grid(x)
         x = self.prepare_tokens(x, masks)
-        return self._final_norm(self._run_blocks(x, self._rope_per_block(height, width)))
+        ropes = self._rope_per_block(self.rope_embed.grid_coords(height, width))
+        return self._final_norm(self._run_blocks(x, ropes)[0])
 
     def pool(
         self, x: torch.Tensor, pool_type: str | None = None, patch_valid: torch.Tensor | None = None
@@ -390,111 +406,14 @@ class VisionTransformerLS(nn.Module):
         x = self._with_prefix(self.patch_embed.norm(x), self._cls_token())
         rope = self.rope_embed
         coords = naflex_patch_centres(naflex.patch_coord, naflex.patch_valid, rope.normalize_coords, rope.table_dtype)
-        if self.training and self.rope_embed.augments:  # one draw per block, shared by the batch, as Meta's
-            ropes = [self.rope_embed.from_coords(coords) for _ in self.blocks]
-        else:
-            ropes = [self.rope_embed.from_coords(coords)] * len(self.blocks)
-        return x, naflex.patch_valid, ropes, padding_key_mask(naflex.patch_valid, self.num_prefix_tokens)
+        return (
+            x,
+            naflex.patch_valid,
+            self._rope_per_block(coords),
+            padding_key_mask(naflex.patch_valid, self.num_prefix_tokens),
+        )
 
     @torch.jit.unused
     def _naflex_features(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         x, patch_valid, ropes, attn_mask = self._naflex_tokens(batch)
-        return {"patches": self._final_norm(self._run_blocks(x, ropes, attn_mask)), "patch_valid": patch_valid}
-
-    # ------------------------------------------------------------------------------------ intermediates
-
-    def forward_intermediates(
-        self,
-        x: torch.Tensor | dict[str, Any],
-        indices: int | Sequence[int] | str | None = None,
-        return_prefix_tokens: bool = False,
-        norm: bool = False,
-        stop_early: bool = False,
-        output_fmt: str = "NCHW",
-        intermediates_only: bool = False,
-        output_dict: bool = False,
-    ) -> list[Any] | tuple[torch.Tensor, list[Any]] | dict[str, Any]:
-        """timm's contract: block outputs at `indices` (last n if an int, or a name of `config.feature_layers`:
-        "last", "last_four", "four_even"), optionally normed. A NaFlex batch's come as timm's NaFlexVit gives
-        them: "NLC" only, padded `[B, N, C]` (`output_dict` adds `patch_valid`)."""
-        if output_fmt not in ("NCHW", "NLC"):
-            raise ValueError(f"output_fmt: got {output_fmt!r}; allowed: 'NCHW' or 'NLC'")
-        take_indices, max_index = feature_take_indices(len(self.blocks), feature_layers(indices, len(self.blocks)))
-        grid, patch_valid, attn_mask = None, None, None
-        if isinstance(x, dict):
-            if output_fmt != "NLC":
-                raise ValueError(
-                    "output_fmt: got 'NCHW' for a NaFlex batch, whose images have grids of their own; allowed: "
-                    "'NLC' (place each token by patch_coord)"
-                )
-            x, patch_valid, ropes, attn_mask = self._naflex_tokens(x)
-        else:
-            grid = self._patch_grid(x)
-            x = self.prepare_tokens(x)
-            ropes = self._rope_per_block(*grid)
-        blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
-        intermediates = []
-        for i, (block, rope) in enumerate(zip(blocks, ropes)):
-            if self.grad_checkpointing:
-                x = checkpoint(block, x, rope, attn_mask, use_reentrant=False)
-            else:
-                x = block(x, rope, attn_mask)
-            if i in take_indices:
-                intermediates.append(self._final_norm(x) if norm else x)
-        prefix = self.num_prefix_tokens
-        prefix_tokens = [y[:, :prefix] for y in intermediates]
-        intermediates = [y[:, prefix:] for y in intermediates]
-        if grid is not None and output_fmt == "NCHW":
-            intermediates = [y.unflatten(1, grid).permute(0, 3, 1, 2).contiguous() for y in intermediates]
-        if output_dict:
-            found = {"image_intermediates": intermediates}
-            if return_prefix_tokens:
-                found["image_intermediates_prefix"] = prefix_tokens
-            if patch_valid is not None:
-                found["patch_valid"] = patch_valid
-            return found if intermediates_only else {**found, "image_features": self._final_norm(x)}
-        if return_prefix_tokens:
-            intermediates = list(zip(intermediates, prefix_tokens))
-        return intermediates if intermediates_only else (self._final_norm(x), intermediates)
-
-    def prune_intermediate_layers(
-        self, indices: int | Sequence[int] | str = 1, prune_norm: bool = False, prune_head: bool = True
-    ) -> list[int]:
-        take_indices, max_index = feature_take_indices(len(self.blocks), feature_layers(indices, len(self.blocks)))
-        self.blocks = self.blocks[: max_index + 1]
-        if prune_norm:
-            self.norm = nn.Identity()
-            self.cls_norm = nn.Identity() if self.cls_norm is not None else None
-        if prune_head:
-            self.reset_classifier(0, "")
-        return take_indices
-
-    def get_intermediate_layers(
-        self,
-        x: torch.Tensor,
-        n: int | Sequence[int] | str = 1,
-        reshape: bool = False,
-        return_class_token: bool = False,
-        return_extra_tokens: bool = False,
-        norm: bool = True,
-    ) -> tuple[Any, ...]:
-        """Meta's DINOv3 method: patch tokens of the last `n` blocks (or of the listed blocks, or of a name:
-        "last", "last_four", "four_even", and Meta's "four_last", "four_even_intervals")."""
-        outputs = self.forward_intermediates(
-            x,
-            indices=n,
-            return_prefix_tokens=True,
-            norm=norm,
-            stop_early=True,
-            output_fmt="NCHW" if reshape else "NLC",
-            intermediates_only=True,
-        )
-        result = []
-        for patches, prefix in outputs:
-            item = (patches,)
-            if return_class_token:
-                item += (prefix[:, 0],)
-            if return_extra_tokens:
-                item += (prefix[:, 1:],)
-            result.append(item if len(item) > 1 else patches)
-        return tuple(result)
+        return {"patches": self._final_norm(self._run_blocks(x, ropes, attn_mask)[0]), "patch_valid": patch_valid}

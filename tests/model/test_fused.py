@@ -1,5 +1,6 @@
-"""The fewer-pass RoPE of bf16/fp16 activations against the plain path it replaces (Meta's formula), and
-the dispatch that keeps fp32 on the plain path, exact to Meta."""
+"""RoPE rotates q and k in the dtype of its tables: against the reference rotations (q and k cast to the tables'
+dtype, `x * cos + rotate_half(x) * sin`, cast back), the in-place form bf16/fp16 inference takes, and the path
+a bf16 model takes through scripting and compiling."""
 
 import warnings
 
@@ -9,142 +10,118 @@ import torch
 from support import TINY, move_off_init_
 
 from timm_layerscale.layers import RopeEmbedding, apply_rope
-from timm_layerscale.layers import attention as attention_module
-from timm_layerscale.layers.attention import rotate_queries_keys
-from timm_layerscale.layers.rope import apply_rope_low_precision
+from timm_layerscale.layers.attention import rotate_heads
+from timm_layerscale.layers.rope import apply_rope_into
 
 LOW = [torch.bfloat16, torch.float16]
 PREFIX, GRID, HEADS, HEAD_DIM = 5, (6, 7), 3, 16
 
 
-def qkv_and_rope(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """A qkv output `[batch, tokens, 3, heads, head_dim]` at activation scale, and the fp32 (sin, cos)."""
-    rope = RopeEmbedding(HEAD_DIM, num_prefix_tokens=PREFIX, round_periods_to_bf16=False)(*GRID)
+def qkv_and_rope(dtype: torch.dtype, seed: int = 0, table: str = "fp32"):
+    """A qkv output `[batch, tokens, 3 * heads, head_dim]` at activation scale, and the (signed sin, cos)."""
+    rope = RopeEmbedding(HEAD_DIM, num_prefix_tokens=PREFIX, round_periods_to_bf16=False, dtype=table)(*GRID)
     tokens = PREFIX + GRID[0] * GRID[1]
-    qkv = torch.randn(4, tokens, 3, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed)) * 4
+    qkv = torch.randn(4, tokens, 3 * HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed)) * 4
     return qkv.to(dtype), rope
 
 
-def meta_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-    """Meta's rope_apply: upcast to the rope's dtype, `x * cos + rotate_half(x) * sin`, cast back."""
-    x32 = x.to(sin.dtype)
-    x1, x2 = x32.chunk(2, dim=-1)
+def reference_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """The reference rotation: cast to the tables' dtype, `x * cos + rotate_half(x) * sin`, cast back."""
+    y = x.to(sin.dtype)
+    y1, y2 = y.chunk(2, dim=-1)
     sin = sin[..., HEAD_DIM // 2 :].repeat(*([1] * (sin.ndim - 1)), 2)  # undo the sign folded into our sin
-    return (x32 * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+    return (y * cos + torch.cat([-y2, y1], dim=-1) * sin).to(x.dtype)
 
 
-def broadcast(rope):
+def heads(rope):
     sin, cos = rope
-    return sin[:, None, None], cos[:, None, None]
+    return sin[:, None], cos[:, None]
 
 
-def test_plain_rope_on_the_strided_qk_slice_is_metas_exactly():
-    qkv, rope = qkv_and_rope(torch.float32)
-    qk = qkv[:, :, :2]
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW])
+@pytest.mark.parametrize("table", ["fp32", "bf16"])
+def test_rotation_on_the_strided_qk_slice_is_the_reference_in_the_tables_dtype(dtype, table):
+    qkv, rope = qkv_and_rope(dtype, table=table)
+    qk = qkv[:, :, : 2 * HEADS]
     assert not qk.is_contiguous()
-    assert torch.equal(apply_rope(qk, broadcast(rope)), meta_rope(qk, *broadcast(rope)))
+    rotated = apply_rope(qk, heads(rope))
+    assert rotated.dtype == dtype
+    assert torch.equal(rotated, reference_rope(qk, *heads(rope)))
+    in_tables = qk[:, :PREFIX].to(rope[1].dtype).to(dtype)
+    assert torch.equal(rotated[:, :PREFIX], in_tables)  # prefix tokens are not rotated, only cast
+    with torch.no_grad():  # the dispatch: exact unless `x` is narrower than the tables
+        if table == "bf16" or dtype == torch.float32:
+            assert torch.equal(rotate_heads(qk.clone(), rope), rotated)
+
+
+def test_bf16_tables_round_every_step_where_fp32_tables_do_not():
+    qkv, rope32 = qkv_and_rope(torch.float32, seed=3)
+    _, rope16 = qkv_and_rope(torch.float32, seed=3, table="bf16")
+    qk = qkv[:, :, : 2 * HEADS]
+    in_bf16 = apply_rope(qk, heads(rope16))
+    assert torch.equal(in_bf16, in_bf16.to(torch.bfloat16).float())  # bf16 values
+    assert not torch.equal(in_bf16, apply_rope(qk, heads(rope32)))
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_low_precision_rope_is_the_plain_value_or_one_unit_off(dtype):
+def test_in_place_rotation_is_the_exact_value_or_one_unit_off(dtype):
     qkv, rope = qkv_and_rope(dtype)
-    qk = qkv[:, :, :2]
-    plain, fused = apply_rope(qk, broadcast(rope)), apply_rope_low_precision(qk, broadcast(rope))
+    qk = qkv[:, :, : 2 * HEADS]
+    exact = apply_rope(qk, heads(rope))
+    fused = apply_rope_into(qk.clone(), heads(rope))
     assert fused.dtype == dtype and fused.shape == qk.shape
-    assert torch.equal(plain, meta_rope(qk, *broadcast(rope)))
-    spacing = torch.finfo(dtype).eps * plain.float().abs().clamp_min(torch.finfo(dtype).tiny)
-    assert ((fused.float() - plain.float()).abs() <= spacing).all()
-    assert (fused != plain).float().mean() < 0.01  # rare last-unit differences, never a wrong rotation
-    assert torch.equal(fused[:, :PREFIX], qk[:, :PREFIX])  # prefix tokens are not rotated
+    spacing = torch.finfo(dtype).eps * exact.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((fused.float() - exact.float()).abs() <= spacing).all()
+    assert (fused != exact).float().mean() < 0.01  # rare last-unit differences, never a wrong rotation
+    assert torch.equal(fused[:, :PREFIX], qk[:, :PREFIX])
 
 
 @pytest.mark.parametrize("dtype", LOW)
-def test_low_precision_rope_is_as_close_to_the_exact_rotation(dtype):
+def test_in_place_rotation_is_as_close_to_the_exact_rotation(dtype):
     qkv, rope = qkv_and_rope(dtype, seed=1)
-    qk = qkv[:, :, :2]
-    sin, cos = broadcast(rope)
-    exact = meta_rope(qk.double(), sin.double(), cos.double())
-    errors = [(f(qk, (sin, cos)).double() - exact).norm() for f in (apply_rope, apply_rope_low_precision)]
+    qk = qkv[:, :, : 2 * HEADS]
+    sin, cos = heads(rope)
+    exact = reference_rope(qk.double(), sin.double(), cos.double())
+    errors = [(f(qk.clone(), (sin, cos)).double() - exact).norm() for f in (apply_rope, apply_rope_into)]
     assert errors[1] <= errors[0] * 1.01
-
-
-def test_dispatch_keeps_fp32_on_metas_path_and_low_precision_on_the_fused_one(monkeypatch):
-    qkv, rope = qkv_and_rope(torch.float32)
-    qk = qkv[:, :, :2]
-    # On CPUs that fuse multiply-adds the fused form differs from Meta's in fp32: the dispatch must not take it.
-    assert torch.equal(rotate_queries_keys(qk, rope), meta_rope(qk, *broadcast(rope)))
-    taken = []
-    for name in ("apply_rope", "apply_rope_low_precision"):
-        original = getattr(attention_module, name)
-        monkeypatch.setattr(
-            attention_module, name, lambda x, r, f=original, n=name, **kw: taken.append(n) or f(x, r, **kw)
-        )
-    for dtype in (torch.float32, *LOW):
-        qkv, rope = qkv_and_rope(dtype, seed=2)
-        assert rotate_queries_keys(qkv[:, :, :2], rope).dtype == dtype
-    assert taken == ["apply_rope", "apply_rope_low_precision", "apply_rope_low_precision"]
 
 
 @pytest.mark.parametrize("dtype", LOW)
 def test_inference_writes_the_rotation_back_into_qkv_and_training_does_not(dtype):
     qkv, rope = qkv_and_rope(dtype, seed=7)
-    expected = apply_rope_low_precision(qkv[:, :, :2], broadcast(rope))
-    v = qkv[:, :, 2].clone()
+    expected = apply_rope_into(qkv[:, :, : 2 * HEADS].clone(), heads(rope))
+    v = qkv[:, :, 2 * HEADS :].clone()
     with torch.no_grad():
-        rotated = rotate_queries_keys(qkv[:, :, :2], rope)
+        rotated = rotate_heads(qkv[:, :, : 2 * HEADS], rope)
     assert rotated.data_ptr() == qkv.data_ptr() and torch.equal(rotated, expected)
-    assert torch.equal(qkv[:, :, :2], expected) and torch.equal(qkv[:, :, 2], v)
+    assert torch.equal(qkv[:, :, : 2 * HEADS], expected) and torch.equal(qkv[:, :, 2 * HEADS :], v)
 
     qkv, rope = qkv_and_rope(dtype, seed=7)
     before = qkv.clone()
     leaf = qkv.requires_grad_()
-    rotated = rotate_queries_keys(leaf[:, :, :2], rope)
-    assert torch.equal(rotated, expected) and torch.equal(qkv.detach(), before)
+    rotated = rotate_heads(leaf[:, :, : 2 * HEADS], rope)
+    assert torch.equal(rotated, reference_rope(before[:, :, : 2 * HEADS], *heads(rope)))
+    assert torch.equal(qkv.detach(), before)
     rotated.float().sum().backward()
-    assert leaf.grad is not None
+    assert leaf.grad is not None and not leaf.grad[:, :, 2 * HEADS :].any()  # v gets no gradient from RoPE
 
 
-@pytest.mark.parametrize("dtype", LOW)
-def test_low_precision_rope_trains_like_the_plain_path(dtype):
-    qkv, rope = qkv_and_rope(dtype, seed=3)
-    weights = torch.randn(qkv[:, :, :2].shape, generator=torch.Generator().manual_seed(4))
-    grads = []
-    for rotate in (apply_rope, apply_rope_low_precision):
-        leaf = qkv.clone().requires_grad_()
-        (rotate(leaf[:, :, :2], broadcast(rope)).float() * weights).sum().backward()
-        grads.append(leaf.grad.float())
-    assert not grads[0][:, :, 2].any() and not grads[1][:, :, 2].any()  # v gets no gradient from RoPE
-    scale = grads[0].abs().max()
-    assert (grads[1] - grads[0]).abs().max() <= 2 * torch.finfo(dtype).eps * scale
-    assert grads[0][:, PREFIX:].abs().max() > 0
-
-
-def test_bf16_model_rotates_through_the_fused_path(monkeypatch):
+def test_bf16_model_in_inference_is_within_rounding_of_the_model_with_autograd():
     torch.manual_seed(0)
     model = move_off_init_(timm.create_model("vit_ls_small_patch16_dinov3", num_classes=0, **TINY)).eval()
     x = torch.randn(2, 3, 48, 64, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         reference = model(x)
         model.to(torch.bfloat16)
-        calls = []
-
-        def counted(qk, rope, out=None):
-            calls.append(qk.dtype)
-            return apply_rope_low_precision(qk, rope, out=out)
-
-        monkeypatch.setattr(attention_module, "apply_rope_low_precision", counted)
-        fused = model(x.to(torch.bfloat16)).float()
-        monkeypatch.setattr(
-            attention_module, "apply_rope_low_precision", lambda qk, rope, out=None: apply_rope(qk, rope)
-        )
-        plain = model(x.to(torch.bfloat16)).float()
-    assert calls == [torch.bfloat16] * TINY["depth"]
+        in_place = model(x.to(torch.bfloat16)).float()
+    exact = model(x.to(torch.bfloat16)).detach().float()  # autograd on: the exact rotation, nothing in place
     scale = reference.abs().max()
-    assert (fused - reference).abs().max() <= 0.05 * scale
-    assert (fused - plain).abs().max() <= 0.02 * scale
+    assert (in_place - reference).abs().max() <= 0.05 * scale
+    assert (in_place - exact).abs().max() <= 0.02 * scale
+    assert not torch.equal(in_place, reference)
 
 
-def test_bf16_fused_path_is_captured_by_torchscript_and_torch_compile():
+def test_bf16_in_place_path_is_captured_by_torchscript_and_torch_compile():
     torch.manual_seed(0)
     model = move_off_init_(timm.create_model("vit_ls_small_patch16_dinov3", num_classes=0, **TINY)).eval()
     model.to(torch.bfloat16)

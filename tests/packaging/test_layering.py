@@ -35,6 +35,7 @@ LAYERS = (
     ("checkpoints.load_hook", 2.4),
     ("checkpoints", 2.5),  # the folder's public names
     ("model", 3),
+    ("intermediates", 3),
     ("fsdp", 3),
     ("fold", 3),
     ("hub", 4),

@@ -1,6 +1,6 @@
 from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask, qkv_sizes, split_qkv
 from .block import Block
-from .ffn import SwiGLU, ffn_hidden_features, swiglu_hidden_features
+from .ffn import FFN_LAYERS, SwiGLU, ffn_hidden_features, swiglu_hidden_features
 from .layer_scale import LayerScale, fold_gamma, layer_scale_or_identity
 from .naflex_batch import NaFlexBatch, read_naflex_batch
 from .naflex_embed import embed_patches
@@ -10,6 +10,7 @@ from .norm import NORMS, make_norm
 from .rope import RopeEmbedding, apply_rope
 
 __all__ = [
+    "FFN_LAYERS",
     "NORMS",
     "Attention",
     "Block",

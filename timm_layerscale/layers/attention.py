@@ -5,40 +5,25 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
-from .rope import apply_rope, apply_rope_bf16, apply_rope_low_precision
+from .rope import apply_rope, apply_rope_into
 
 
 # One call in every FX graph (torch.fx.wrap for any tracer, timm's list for timm's): the path depends on the
-# dtype, and it adds into views in place.
+# dtypes and on autograd, and it writes into views in place.
 @torch.fx.wrap
 @register_notrace_function
-def rotate_queries_keys(qk: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """RoPE on the stacked q/k slice of qkv `[batch, tokens, 2, heads, head_dim]`, q and k in one pass.
+def rotate_heads(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """RoPE on heads `[batch, tokens, heads, head_dim]`: q's and k's heads side by side, or either alone.
 
     `rope` is one grid's `[tokens, head_dim]` pair, or a NaFlex batch's `[batch, tokens, head_dim]` (one
-    grid per image). fp32 takes `apply_rope`, exact to Meta's; bf16 and fp16 take its fewer-pass form, which
-    without autograd writes the result back into qkv: a third copy of q and k would otherwise make RoPE the
-    forward's peak.
+    grid per image). Heads are rotated in the tables' dtype (`apply_rope`); heads narrower than the tables
+    are rotated in place when there is no autograd (`apply_rope_into`), one unit off at most.
     """
     sin, cos = rope
-    rope = (sin.unsqueeze(-2).unsqueeze(-2), cos.unsqueeze(-2).unsqueeze(-2))
-    if qk.dtype == torch.bfloat16 or qk.dtype == torch.float16:
-        return apply_rope_low_precision(qk, rope, out=None if torch.is_grad_enabled() else qk)
-    return apply_rope(qk, rope)
-
-
-# One call in every FX graph, as `rotate_queries_keys`: the path depends on the dtype and the RoPE precision.
-@torch.fx.wrap
-@register_notrace_function
-def rotate_heads(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bf16: bool) -> torch.Tensor:
-    """RoPE on q or k `[batch, tokens, heads, head_dim]` apart (grouped-query attention, qk-norm): fp32 as
-    `apply_rope`, or in bf16 throughout as Sapiens2's released code (`bf16`, with bf16 tables)."""
-    sin, cos = rope
     rope = (sin.unsqueeze(-2), cos.unsqueeze(-2))
-    if bf16:
-        return apply_rope_bf16(x, rope)
-    if x.dtype == torch.bfloat16 or x.dtype == torch.float16:
-        return apply_rope_low_precision(x, rope)
+    narrower = x.dtype != cos.dtype and torch.promote_types(x.dtype, cos.dtype) == cos.dtype
+    if narrower and not torch.is_grad_enabled():
+        return apply_rope_into(x, rope)
     return apply_rope(x, rope)
 
 
@@ -55,7 +40,8 @@ def split_qkv(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, ...]:
 
 
 def k_bias_mask(out_features: int, dim: int | None = None) -> torch.Tensor:
-    """A fresh qkv bias mask: ones, with the k rows zero (DINOv3 never adds a k bias it did not load)."""
+    """A fresh qkv bias mask: ones, with the k rows zero (a k bias is never added unless a checkpoint's mask
+    loads it)."""
     mask = torch.ones(out_features)
     q, k, _ = qkv_sizes(out_features, out_features // 3 if dim is None else dim)
     mask[q : q + k] = 0.0
@@ -68,7 +54,7 @@ def effective_qkv_bias(bias: torch.Tensor, mask: torch.Tensor | None) -> torch.T
 
 
 class KMaskedBiasLinear(nn.Linear):
-    """The qkv projection whose bias is multiplied by `bias_mask` (DINOv3's k-bias masking).
+    """The qkv projection whose bias is multiplied by `bias_mask` (k-bias masking).
 
     The mask is a buffer loaded from checkpoints: fresh models zero the k third, and the released files
     carry an all-zero mask, so loading must keep the file's mask rather than regenerate it.
@@ -87,6 +73,9 @@ class KMaskedBiasLinear(nn.Linear):
 
 
 class Attention(nn.Module):
+    """Self-attention with one fused qkv projection (rows: q, then k and v of `num_kv_heads` heads each),
+    optional per-head qk-norm, RoPE in the dtype of its tables, and k/v heads shared by groups of q heads."""
+
     def __init__(
         self,
         dim: int,
@@ -98,23 +87,19 @@ class Attention(nn.Module):
         proj_drop: float = 0.0,
         num_kv_heads: int | None = None,
         qk_norm: Callable[[int], nn.Module] | None = None,
-        rope_dtype: str = "fp32",
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = dim // num_heads
-        # One fused projection whatever the k/v heads: rows [q (dim), k, v] (`qkv_sizes`).
         out = dim + 2 * self.num_kv_heads * self.head_dim
         if qkv_bias and mask_k_bias:
             self.qkv = KMaskedBiasLinear(dim, out)
         else:
             self.qkv = nn.Linear(dim, out, bias=qkv_bias)
+        self.normed_qk = qk_norm is not None
         self.q_norm = qk_norm(self.head_dim) if qk_norm is not None else nn.Identity()
         self.k_norm = qk_norm(self.head_dim) if qk_norm is not None else nn.Identity()
-        self.rope_bf16 = rope_dtype == "bf16"
-        # DINOv3's attention rotates q and k stacked in one pass; the other families take them apart.
-        self.separate_qk = self.num_kv_heads != num_heads or qk_norm is not None or self.rope_bf16
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
@@ -127,37 +112,19 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """`attn_mask`: None (every token attends to every token), or the keys each query may attend to,
         boolean `[batch, 1, 1, tokens]` (a NaFlex batch's padding is no key)."""
-        if self.separate_qk:
-            return self._forward_separate(x, rope, attn_mask)
         batch, tokens, dim = x.shape
-        qkv = self.qkv(x).reshape(batch, tokens, 3, self.num_heads, self.head_dim)
-        qk, v = qkv[:, :, :2], qkv[:, :, 2]
-        if rope is not None:
-            qk = rotate_queries_keys(qk, rope)
-        q, k = qk.unbind(2)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv(x).unflatten(-1, (heads + 2 * kv_heads, self.head_dim))
+        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
+        if self.normed_qk:  # per-head norms make q and k tensors of their own: rotated one by one
+            q, k = self.q_norm(q), self.k_norm(k)
+            if rope is not None:
+                q, k = rotate_heads(q, rope), rotate_heads(k, rope)
+        elif rope is not None:  # q's and k's heads side by side in qkv: rotated in one pass
+            q, k = rotate_heads(qkv[:, :, : heads + kv_heads], rope).split([heads, kv_heads], dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        x = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.0
-        )
-        x = x.transpose(1, 2).reshape(batch, tokens, dim)
-        return self.proj_drop(self.proj(x))
-
-    def _forward_separate(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, attn_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Sapiens2's order: per-head qk-norm, RoPE, then each k/v head shared by its group of q heads."""
-        batch, tokens, dim = x.shape
-        kv = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([dim, kv, kv], dim=-1)
-        q = self.q_norm(q.reshape(batch, tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(batch, tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(batch, tokens, self.num_kv_heads, self.head_dim)
-        if rope is not None:
-            q, k = rotate_heads(q, rope, self.rope_bf16), rotate_heads(k, rope, self.rope_bf16)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.num_kv_heads != self.num_heads:
-            group = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if kv_heads != heads:
+            k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
         x = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.0
         )

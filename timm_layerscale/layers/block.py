@@ -5,7 +5,6 @@ from timm.layers import DropPath, Mlp, register_notrace_function
 from torch import nn
 
 from .attention import Attention
-from .ffn import SwiGLU, ffn_hidden_features
 from .layer_scale import layer_scale_or_identity
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
@@ -38,17 +37,19 @@ class Block(nn.Module):
     """Pre-norm transformer block: `x + ls1(attn(norm1(x)))`, then `x + ls2(mlp(norm2(x)))`.
 
     Stochastic depth comes in two kinds. "drop_path" zeroes a branch for random samples (timm's
-    DropPath). "sample_drop" (DINOv3) runs the branch on a random subset of the batch only and adds it
-    back scaled by batch / subset, which saves the compute of the dropped samples.
+    DropPath). "sample_drop" runs the branch on a random subset of the batch only and adds it back
+    scaled by batch / subset, which saves the compute of the dropped samples.
+
+    `mlp_layer(dim, mlp_hidden, bias=, drop=)` makes the feed-forward (timm's `Mlp`, or `SwiGLU`);
+    `norm_layer(dim)` the norms, and the per-head qk-norm when `qk_norm`.
     """
 
     def __init__(
         self,
         dim: int,
         num_heads: int,
-        ffn_layer: str = "mlp",
-        ffn_ratio: float = 4.0,
-        swiglu_align_to: int = 8,
+        mlp_hidden: int | None = None,
+        mlp_layer: Callable[..., nn.Module] = Mlp,
         qkv_bias: bool = True,
         mask_k_bias: bool = True,
         proj_bias: bool = True,
@@ -61,7 +62,6 @@ class Block(nn.Module):
         stochastic_depth: str = "drop_path",
         num_kv_heads: int | None = None,
         qk_norm: bool = False,
-        rope_dtype: str = "fp32",
     ) -> None:
         super().__init__()
         self.norm1 = norm_layer(dim)
@@ -75,15 +75,10 @@ class Block(nn.Module):
             proj_drop,
             num_kv_heads=num_kv_heads,
             qk_norm=norm_layer if qk_norm else None,
-            rope_dtype=rope_dtype,
         )
         self.ls1 = layer_scale_or_identity(dim, init_values[0])
         self.norm2 = norm_layer(dim)
-        hidden = ffn_hidden_features(dim, ffn_layer, ffn_ratio, swiglu_align_to)
-        if ffn_layer == "swiglu":
-            self.mlp = SwiGLU(dim, hidden, bias=ffn_bias, drop=proj_drop)
-        else:
-            self.mlp = Mlp(dim, hidden, act_layer=nn.GELU, bias=ffn_bias, drop=proj_drop)
+        self.mlp = mlp_layer(dim, mlp_hidden or 4 * dim, bias=ffn_bias, drop=proj_drop)
         self.ls2 = layer_scale_or_identity(dim, init_values[1])
         self.sample_drop_rate = drop_path if stochastic_depth == "sample_drop" else 0.0
         self.drop_path = DropPath(drop_path) if stochastic_depth == "drop_path" and drop_path > 0 else nn.Identity()

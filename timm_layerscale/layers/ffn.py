@@ -1,23 +1,24 @@
 import torch
 import torch.nn.functional as F
+from timm.layers import Mlp
 from torch import nn
 
 
 def swiglu_hidden_features(dim: int, ffn_ratio: float, align_to: int) -> int:
-    """DINOv3's sizing: two thirds of the MLP width (parameter parity), rounded up to `align_to`."""
+    """Two thirds of the MLP width (parameter parity), rounded up to `align_to`."""
     hidden = int(int(dim * ffn_ratio) * 2 / 3)
     return hidden + (-hidden % align_to)
 
 
 def ffn_hidden_features(dim: int, ffn_layer: str, ffn_ratio: float, swiglu_align_to: int) -> int:
-    """The FFN's hidden width: `dim * ffn_ratio` for the MLP, DINOv3's SwiGLU sizing for "swiglu"."""
+    """The FFN's hidden width: `dim * ffn_ratio` for the MLP, two thirds of it aligned for "swiglu"."""
     if ffn_layer == "swiglu":
         return swiglu_hidden_features(dim, ffn_ratio, swiglu_align_to)
     return int(dim * ffn_ratio)
 
 
 class SwiGLU(nn.Module):
-    """`w3(silu(w1 x) * w2 x)`, with Meta's parameter names so their checkpoints load as they are."""
+    """`w3(silu(w1 x) * w2 x)`, with the parameter names released checkpoints use (w1, w2, w3)."""
 
     def __init__(self, dim: int, hidden_features: int, bias: bool = True, drop: float = 0.0) -> None:
         super().__init__()
@@ -28,3 +29,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.w3(F.silu(self.w1(x)) * self.w2(x)))
+
+
+# The feed-forward class of each config `ffn_layer`: timm's Mlp (GELU by default) or SwiGLU.
+FFN_LAYERS: dict[str, type[nn.Module]] = {"mlp": Mlp, "swiglu": SwiGLU}

@@ -1,14 +1,12 @@
 """Where each token of a NaFlex batch sits: patch centres on each image's own grid, and which keys are real.
 
 An image's grid is `patch_coord.amax + 1` over its valid patches (timm's NaFlexVit reads it the same way),
-so DINOv3's per-side coordinate normalisation sees each image's own height and width, as the image path
+so the per-side coordinate normalisation sees each image's own height and width, as the image path
 does for a batch of one size.
 """
 
 import torch
 import torch.nn.functional as F
-
-from ..config import NORMALIZE_COORDS
 
 
 def naflex_patch_centres(
@@ -20,8 +18,6 @@ def naflex_patch_centres(
     """Patch centres [B, N, 2] (y, x) in `dtype` (bf16 for bf16 RoPE, computed in it as the image path does),
     normalised to [-1, 1] over each image's grid as `patch_centre_coords` normalises one grid
     (`normalize_coords`: per side, or by the longer or shorter)."""
-    if normalize_coords not in NORMALIZE_COORDS:
-        raise ValueError(f"normalize_coords: got {normalize_coords!r}; allowed: {NORMALIZE_COORDS}")
     grid = patch_coord.masked_fill(~patch_valid.unsqueeze(-1), 0).amax(dim=1) + 1  # [B, 2]: height, width
     if normalize_coords == "max":
         grid = grid.amax(dim=-1, keepdim=True)

@@ -1,4 +1,4 @@
-"""The norms a config names: LayerNorm (DINOv3, LingBot, EUPE) or RMSNorm (Sapiens2), for blocks, outputs and
+"""The norms a config names: LayerNorm or RMSNorm, for blocks, outputs and
 qk-norm. RMSNorm is timm's (torch's own needs torch >= 2.4)."""
 
 from collections.abc import Callable

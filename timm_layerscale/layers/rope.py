@@ -1,4 +1,4 @@
-"""Axial rotary position embedding for patch tokens, DINOv3 flavour.
+"""Axial rotary position embedding for patch tokens.
 
 Each head's channels are split in two halves that are rotated against each other ("rotate-half"); the
 angles are the patch centre's y coordinate for the first quarter of frequencies and x for the second,
@@ -11,8 +11,6 @@ import torch
 import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
-
-from ..config import NORMALIZE_COORDS
 
 
 def bf16_rounded(t: torch.Tensor) -> torch.Tensor:
@@ -52,11 +50,7 @@ class RopeEmbedding(nn.Module):
         round_periods_to_bf16: bool = True,
         dtype: str = "fp32",
     ) -> None:
-        super().__init__()
-        if head_dim % 4:
-            raise ValueError(f"RoPE needs a head dim divisible by 4, got {head_dim}")
-        if normalize_coords not in NORMALIZE_COORDS:
-            raise ValueError(f"normalize_coords: got {normalize_coords!r}; allowed: {NORMALIZE_COORDS}")
+        super().__init__()  # head_dim % 4 and normalize_coords: checked once, by the config
         self.head_dim = head_dim
         self.num_prefix_tokens = num_prefix_tokens
         self.base = base
@@ -65,7 +59,8 @@ class RopeEmbedding(nn.Module):
         self.jitter_coords = jitter_coords
         self.rescale_coords = rescale_coords
         self.round_periods_to_bf16 = round_periods_to_bf16
-        # bf16: coordinates, angles, sin and cos in bf16, as Sapiens2's released code computes them.
+        # The one RoPE precision: coordinates, angles, sin and cos in it, and attention rotates q and k in the
+        # dtype of these tables. bf16 also computes the fresh periods in bf16.
         self.bf16 = dtype == "bf16"
         # Whether training draws random coordinate changes (then each block gets its own draw).
         self.augments = any(v is not None for v in (shift_coords, jitter_coords, rescale_coords))
@@ -82,7 +77,7 @@ class RopeEmbedding(nn.Module):
         return self
 
     def reset_parameters(self) -> None:
-        if self.bf16:  # Sapiens2's formula, computed in bf16
+        if self.bf16:  # base ** (2i / (head_dim / 2)), computed in bf16
             steps = 2 * torch.arange(self.head_dim // 4, dtype=torch.bfloat16) / (self.head_dim // 2)
             self.periods.copy_(self.base**steps)
             return
@@ -93,7 +88,7 @@ class RopeEmbedding(nn.Module):
     def _augment(self, coords: torch.Tensor) -> torch.Tensor:
         # Tensors are made from `coords` and `periods` is used whole, never indexed: under FX these stay
         # graph nodes, where a draw or a slice of a buffer would be computed once at trace time and frozen.
-        # One draw per call, shared by every image of the batch (`coords` [..., 2]), as Meta's.
+        # One draw per call, shared by every image of the batch (`coords` [..., 2]).
         if self.training:
             if self.shift_coords is not None:
                 coords = coords + coords.new_empty(2).uniform_(-self.shift_coords, self.shift_coords)
@@ -106,12 +101,16 @@ class RopeEmbedding(nn.Module):
         return coords
 
     def forward(self, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sin, cos), each [num_prefix_tokens + height * width, head_dim], fp32.
+        """(signed sin, cos), each [num_prefix_tokens + height * width, head_dim], in `table_dtype`.
 
         Prefix tokens get the identity rotation (sin 0, cos 1), so attention rotates all tokens at once.
         The sin's first half is negated: `rotate_half(x) * sin == x.roll(half) * signed_sin`, one kernel less.
         """
-        return self.from_coords(patch_centre_coords(height, width, self.normalize_coords, self._periods()))
+        return self.from_coords(self.grid_coords(height, width))
+
+    def grid_coords(self, height: int, width: int) -> torch.Tensor:
+        """One grid's patch centres `[height * width, 2]`, in `table_dtype`, for `from_coords`."""
+        return patch_centre_coords(height, width, self.normalize_coords, self._periods())
 
     @property
     def table_dtype(self) -> torch.dtype:
@@ -140,54 +139,43 @@ class RopeEmbedding(nn.Module):
         return torch.cat([-sin, sin], dim=-1), torch.cat([cos, cos], dim=-1)
 
 
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotates the last dim of `x` in fp32 whatever its dtype (as Meta does), then casts back.
-
-    `rope` comes from `RopeEmbedding.forward`, broadcastable to `x` (tokens on the matching dim). The
-    products with the fp32 `sin` and `cos` are computed in fp32 without an fp32 copy of `x` (upcasting is
-    exact, so the values are those of `x.float()`), which keeps low-precision activations small.
-    """
-    signed_sin, cos = rope
+def _swapped_halves(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     if torch.jit.is_scripting():
         # A flip of the two halves, not a cat of them: TorchScript's autodiff leaves a cat's list of tensors
         # unguarded, so a scripted model that has trained would save them for backward under inference_mode.
-        rotated = x.unflatten(-1, (2, half)).flip(-2).flatten(-2) * signed_sin
-    else:
-        # The halves swapped by one cat: `roll` would first copy a strided `x` (the q/k slice of qkv) whole.
-        rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1) * signed_sin
-    return (x * cos).add_(rotated).to(x.dtype)
+        return x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    # One cat: `roll` would first copy a strided `x` (a slice of qkv) whole.
+    return torch.cat([x[..., half:], x[..., :half]], dim=-1)
 
 
-def apply_rope_bf16(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotates the last dim of `x` in bf16 with bf16 tables, each product and the sum rounded to bf16, then
-    casts back: Sapiens2's released rotation exactly (it casts q and k to the tables' dtype)."""
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotates the last dim of `x` in the dtype of the tables, then casts back to `x`'s dtype.
+
+    `rope` is `RopeEmbedding`'s (signed sin, cos), broadcastable to `x`. With fp32 tables `x` is rotated
+    as if upcast, whatever its dtype; with bf16 tables every product and the sum are rounded to bf16. `x` is
+    never copied up: mixed products compute in the tables' dtype with the values of an upcast copy, and
+    autograd keeps `x` itself for backward.
+    """
     signed_sin, cos = rope
-    y = x.to(torch.bfloat16)
-    half = x.shape[-1] // 2
-    if torch.jit.is_scripting():  # a flip, not a cat, as in `apply_rope`
-        swapped = y.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-    else:
-        swapped = torch.cat([y[..., half:], y[..., :half]], dim=-1)
-    return (y * cos.to(torch.bfloat16) + swapped * signed_sin.to(torch.bfloat16)).to(x.dtype)
+    dtype = x.dtype
+    if torch.promote_types(dtype, cos.dtype) != cos.dtype:
+        x = x.to(cos.dtype)  # tables narrower than `x`: rotated in theirs
+    return (x * cos).add_(_swapped_halves(x) * signed_sin).to(dtype)
 
 
-def apply_rope_low_precision(
-    x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`apply_rope` for bf16/fp16 `x` in four kernels instead of five, with one fp32 temporary instead of two.
+def apply_rope_into(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`apply_rope` for `x` narrower than the tables, without autograd, written back into `x` (which may be
+    a view of qkv: a new rotated copy of q and k would be the forward's largest temporary).
 
-    Each half's sine term is multiplied and added into the fp32 `x * cos` in one pass (`addcmul_`), so the
-    swapped copy of `x` and the second fp32 product never exist. The sum may be fused (FMA) where
-    `apply_rope` rounds the product first, so the fp32 value can differ in its last bit; after rounding to
-    `x`'s dtype it is `apply_rope`'s value or one unit off. fp32 inputs keep `apply_rope` (Meta's exactly).
-    `out` (which may be `x` itself: it is written after the last read) receives the result in place.
+    One upcast copy of `x` on a CPU, where each mixed-dtype product would make its own; the two sine terms are
+    added in place (`addcmul_`), so no swapped copy exists. A fused multiply-add may round once where
+    `apply_rope` rounds twice: after rounding to `x`'s dtype the value is `apply_rope`'s or one unit off.
     """
     signed_sin, cos = rope
     half = x.shape[-1] // 2
-    rotated = x * cos
-    rotated[..., :half].addcmul_(x[..., half:], signed_sin[..., :half])
-    rotated[..., half:].addcmul_(x[..., :half], signed_sin[..., half:])
-    if out is None:
-        return rotated.to(x.dtype)
-    return out.copy_(rotated)
+    wide = x.to(cos.dtype) if x.device.type == "cpu" else x
+    rotated = wide * cos
+    rotated[..., :half].addcmul_(wide[..., half:], signed_sin[..., :half])
+    rotated[..., half:].addcmul_(wide[..., :half], signed_sin[..., half:])
+    return x.copy_(rotated)
