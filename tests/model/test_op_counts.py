@@ -3,8 +3,9 @@ depth, norm and MLP (learned position embedding, no RoPE, no storage tokens), as
 (`model.to(torch.bfloat16).eval()`, bf16 input, `torch.inference_mode()`).
 
 The ops are counted at kernel level (support/op_count.py): `copy_`, `clone`, `_to_copy`, and the ops whose
-floating operands differ in dtype (each converts one of them inside the kernel). Ours may add at most
-`PER_BLOCK` of them per block to what the plain ViT runs.
+floating operands differ in dtype (each converts one of them inside the kernel). In its blocks, ours may
+add at most `PER_BLOCK` of them per block to what the plain ViT's blocks run; what runs once per forward
+(patch embedding, RoPE tables, final norm) is counted and reported beside them, not bounded.
 """
 
 import pytest
@@ -39,7 +40,7 @@ def bf16(model: nn.Module) -> nn.Module:
 
 def describe(counter) -> str:
     sources = [f"    {n}x {op}: {site}" for op, by_site in counter.sources.items() for site, n in by_site.items()]
-    return f"{counter.moves()}\n" + "\n".join(sources)
+    return f"in the blocks {counter.moves(in_blocks=True)}, whole forward {counter.moves()}\n" + "\n".join(sources)
 
 
 @pytest.mark.parametrize(
@@ -51,11 +52,11 @@ def test_ours_adds_at_most_two_copies_or_conversions_per_block_to_a_plain_vit(na
     plain = bf16(timm.create_model("vit_small_patch16_224", num_classes=0, img_size=IMAGE, **SMALL, **plain_extra))
     x = torch.randn(1, 3, *IMAGE, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     ours_ops, plain_ops = count_ops(ours, x, where=MOVES), count_ops(plain, x, where=MOVES)
-    assert ours_ops.counts["addmm"] + ours_ops.counts["mm"] >= 4 * DEPTH, "the counter missed the linears"
-    ours_total, plain_total = sum(ours_ops.moves().values()), sum(plain_ops.moves().values())
-    assert ours_total <= plain_total + PER_BLOCK * DEPTH, (
-        f"{name}, {DEPTH} blocks: ours {ours_total} copies/conversions, plain ViT {plain_total} "
-        f"(allowed {plain_total + PER_BLOCK * DEPTH})\nours {describe(ours_ops)}\nplain {describe(plain_ops)}"
+    assert ours_ops.in_blocks["addmm"] + ours_ops.in_blocks["mm"] >= 4 * DEPTH, "the counter missed the linears"
+    ours_moves, plain_moves = sum(ours_ops.moves(True).values()), sum(plain_ops.moves(True).values())
+    assert ours_moves <= plain_moves + PER_BLOCK * DEPTH, (
+        f"{name}, {DEPTH} blocks: ours {ours_moves} copies/conversions in its blocks, plain ViT {plain_moves} "
+        f"(allowed {plain_moves + PER_BLOCK * DEPTH})\nours {describe(ours_ops)}\nplain {describe(plain_ops)}"
     )
 
 

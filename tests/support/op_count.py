@@ -39,11 +39,14 @@ def _mixed(args, kwargs, out) -> str:
 
 
 class OpCounter(TorchDispatchMode):
-    """`counts[name]` per kernel-level ATen op; `sources[name]` the model frames of each traced op."""
+    """`counts[name]` per kernel-level ATen op, `in_blocks[name]` those run while `inside` is set (the
+    hooks of `count_ops` set it around each block); `sources[name]` the model frames of each traced op."""
 
     def __init__(self, where: Iterable[str] = ()) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
+        self.in_blocks: collections.Counter[str] = collections.Counter()
+        self.inside = False
         self.where = set(where)
         self.sources: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
 
@@ -62,19 +65,37 @@ class OpCounter(TorchDispatchMode):
 
     def _count(self, name: str, detail: str = "") -> None:
         self.counts[name] += 1
+        self.in_blocks[name] += self.inside
         if name in self.where:
             frames = [f for f in traceback.extract_stack() if any(p in f.filename for p in CODE_PATHS)]
             site = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.line}" for f in reversed(frames[-3:]))
             site = site or "(outside the model code)"
             self.sources[name][f"{detail} @ {site}" if detail else site] += 1
 
-    def moves(self) -> dict[str, int]:
-        """The copies and dtype conversions, by name (zeros included)."""
-        return {name: self.counts[name] for name in MOVES}
+    def moves(self, in_blocks: bool = False) -> dict[str, int]:
+        """The copies and dtype conversions by name (zeros included): of the whole forward, or of its blocks."""
+        counts = self.in_blocks if in_blocks else self.counts
+        return {name: counts[name] for name in MOVES}
 
 
 def count_ops(model: torch.nn.Module, x: torch.Tensor, where: Iterable[str] = ()) -> OpCounter:
-    """The ops of one inference forward of `model` on `x`."""
-    with torch.inference_mode(), OpCounter(where) as counter:
-        model(x)
+    """The ops of one inference forward of `model` on `x`, those of its `blocks` (timm's name) apart."""
+    counter = OpCounter(where)
+
+    def enter(*_) -> None:
+        counter.inside = True
+
+    def leave(*_) -> None:
+        counter.inside = False
+
+    blocks = getattr(model, "blocks", [])
+    hooks = [
+        h for block in blocks for h in (block.register_forward_pre_hook(enter), block.register_forward_hook(leave))
+    ]
+    try:
+        with torch.inference_mode(), counter:
+            model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
     return counter
