@@ -260,13 +260,13 @@ def build_trio(variant: str, device: torch.device, overrides: dict) -> dict[str,
         randomise_(ours)
         native = ours.state_dict()
         eva = timm.create_model(EVA_FORMS[variant][0], global_pool="token", num_classes=0, **overrides)
-        eva_state, _ = TIMM.table.from_native(native, qkv_bias=False)
+        eva_state, _ = TIMM.table.from_native(native, qkv_bias=False, dim=ours.embed_dim)
         load_exact(eva, dict(eva_state.items()))
         fields = transformers_config(ours.config, k_bias=False, dtype=torch.float32)
         config = DINOv3ViTConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})
         config._attn_implementation = "sdpa"
         hf = DINOv3ViTModel(config)
-        hf_state, _ = HF_FORMAT.table.from_native(native, k_bias=False)
+        hf_state, _ = HF_FORMAT.table.from_native(native, k_bias=False, dim=ours.embed_dim)
         load_exact(hf, dict(hf_state.items()))
     return {OURS: ours.eval(), EVA: eva.eval(), HF: hf.eval()}
 

@@ -13,3 +13,26 @@ def cpu_model() -> str:
             return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     except (OSError, StopIteration):
         return model
+
+
+# flag: the bf16 matrix path it gives oneDNN, fastest first
+BF16_MATRIX_FLAGS = {
+    "amx_bf16": "AMX-BF16 tiles",
+    "avx512_bf16": "AVX-512 BF16 dot products (vdpbf16ps)",
+}
+REPORTED_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_flags() -> set[str]:
+    """The `flags` of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def bf16_matrix_path(flags: set[str]) -> str:
+    """The fastest bf16 GEMM path these flags offer, or that there is none."""
+    found = next((path for flag, path in BF16_MATRIX_FLAGS.items() if flag in flags), None)
+    return found or "none: no amx_bf16 or avx512_bf16, so bf16 GEMMs widen to fp32 in software"
