@@ -30,8 +30,6 @@ CASES = {
     # grouped k/v in the middle block, qk-norm, RMSNorm, SwiGLU, RoPE tables in bf16
     "sapiens2": ("vit_ls_base_patch16_sapiens2", dict(num_kv_heads=[4, 2, 4], rope_dtype="bf16"), PLAIN_SAPIENS2),
 }
-# RoPE rotates bf16 queries and keys with fp32 tables: three mixed-dtype ops and a copy_ per block
-FP32_ROPE_TABLES = pytest.mark.xfail(strict=False, reason="fp32 RoPE tables on bf16 queries and keys, per block")
 
 
 def bf16(model: nn.Module) -> nn.Module:
@@ -43,9 +41,7 @@ def describe(counter) -> str:
     return f"in the blocks {counter.moves(in_blocks=True)}, whole forward {counter.moves()}\n" + "\n".join(sources)
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(name, marks=FP32_ROPE_TABLES) if name != "sapiens2" else name for name in CASES]
-)
+@pytest.mark.parametrize("name", CASES)
 def test_ours_adds_at_most_two_copies_or_conversions_per_block_to_a_plain_vit(name):
     variant, extra, plain_extra = CASES[name]
     ours = bf16(timm.create_model(variant, num_classes=0, **SMALL, **extra))
