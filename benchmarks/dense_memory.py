@@ -57,6 +57,14 @@ GRAD_MODES = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
+def keep_blocks(name: str, model: torch.nn.Module, depth: int) -> None:
+    """The first `depth` blocks only: what a block holds at its peak is the same in every block."""
+    if name == HF:
+        model.model.layer = model.model.layer[:depth]
+    else:
+        model.blocks = model.blocks[:depth]
+
+
 def child(variant: str, name: str, side: int, options: argparse.Namespace) -> dict[str, float]:
     """One measurement, in this process alone: peak RssAnon above the RSS after loading, and the times."""
     if options.threads:
@@ -66,6 +74,8 @@ def child(variant: str, name: str, side: int, options: argparse.Namespace) -> di
     models = build_trio(variant, torch.device("cpu"), {})
     model = models.pop(name).to(DTYPES[options.dtype])
     del models
+    if options.depth:
+        keep_blocks(name, model, options.depth)
     x = torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(side)).to(DTYPES[options.dtype])
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -86,6 +96,7 @@ def measure(variant: str, name: str, side: int, args: argparse.Namespace) -> dic
     command = [sys.executable, "-m", "benchmarks.dense_memory", "--child", variant, name, str(side)]
     command += ["--dtype", args.dtype, "--grad", args.grad, "--malloc", args.malloc]
     command += ["--threads", str(args.threads)] if args.threads else []
+    command += ["--depth", str(args.depth)] if args.depth else []
     run = subprocess.run(command, capture_output=True, text=True, check=False)
     if run.returncode:
         raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-2000:]}")
@@ -149,6 +160,7 @@ def main() -> None:
     parser.add_argument(
         "--malloc", choices=["heap", "mmap"], default="heap", help="glibc as it comes, or a mapping per tensor"
     )
+    parser.add_argument("--depth", type=int, help="run the first N blocks only (default: all)")
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "MODEL", "SIDE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -157,6 +169,7 @@ def main() -> None:
         return
     args.rounds_at = {int(k): int(v) for k, _, v in (item.partition("=") for item in args.rounds_at)}
     what = f"{args.dtype}, {args.grad}, {args.threads or 'default'} threads, malloc {args.malloc}"
+    what += f", first {args.depth} blocks" if args.depth else ""
     print(header(f"Dense features: one forward_features, batch 1, CPU, {what}"), flush=True)
     results = run_all(args)
     print(table(results))
