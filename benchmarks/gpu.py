@@ -346,7 +346,7 @@ def bench_load(args, device, budget, results, overrides) -> None:
         start = time.perf_counter()
         with torch.device(device):
             source = randomise_(timm.create_model(ours_name("huge_plus"), num_classes=0, **overrides))
-        state, _ = TIMM.table.from_native(source.state_dict(), qkv_bias=True)
+        state, _ = TIMM.table.from_native(source.state_dict(), qkv_bias=True, dim=source.embed_dim)
         save_file({k: v.to(dtype).cpu().contiguous() for k, v in state.items()}, str(path))
         del source, state
         echo(f"  wrote {path.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - start:.1f} s")

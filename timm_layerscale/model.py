@@ -360,9 +360,10 @@ class VisionTransformerLS(IntermediatesMixin, nn.Module):
         elif isinstance(x, dict):
             return self._naflex_features(x)
         height, width = self._patch_grid(x)
-        x = self.prepare_tokens(x, masks)
         ropes = self._rope_per_block(self.rope_embed.grid_coords(height, width))
-        return self._final_norm(self._run_blocks(x, ropes)[0])
+        # Handed on, not kept in a local: the first block's output then frees the tokens (one tokens-sized
+        # tensor less at every later block's peak).
+        return self._final_norm(self._run_blocks(self.prepare_tokens(x, masks), ropes)[0])
 
     def pool(
         self, x: torch.Tensor, pool_type: str | None = None, patch_valid: torch.Tensor | None = None
