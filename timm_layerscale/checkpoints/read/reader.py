@@ -26,7 +26,7 @@ from timm_ls.names import WEIGHTS_SETS
 
 from ..dtypes import torch_dtype, unknown_name_reason
 from ..errors import CheckpointError, reason, torch_load_error
-from ..mapping.plan import TensorInfo
+from ..mapping.plan import LazyTensors, TensorInfo
 from . import dcp
 from .bounds import check_count, read_config_json
 from .sniff import PASS_WEIGHTS, sniff
@@ -66,7 +66,7 @@ META_EVAL_TEACHER = ("sharded_teacher_checkpoint", "teacher_checkpoint.pth")
 WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
 
 
-class LazyCheckpoint(Mapping[str, torch.Tensor]):
+class LazyCheckpoint(LazyTensors):
     """The tensors of one weights set of a checkpoint. `ckpt[key]` reads that tensor only.
 
     `kind` says what the source is (`KIND_*`), `weights` which set was taken; `info(key)` gives the shape and
@@ -100,29 +100,11 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         self.files = files
         self.left_out = left_out or []  # what the chosen set holds beside the backbone (`_left_out`)
         self._infos = infos
-        self._read = read
+        self._read_tensor = read
         self._close = close
 
-    def info(self, key: str) -> TensorInfo:
-        return self._infos[key]
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._infos:
-            raise KeyError(key)
-        return self._read(key)
-
-    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
-        return key in self._infos
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._infos)
-
-    def __len__(self) -> int:
-        return len(self._infos)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(info.nbytes for info in self._infos.values())
+    def _read(self, key: str) -> torch.Tensor:
+        return self._read_tensor(key)
 
     @property
     def summary(self) -> str:
