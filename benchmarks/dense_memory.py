@@ -13,7 +13,7 @@ medians over the rounds of the wall time, the process CPU time and the peak abov
 take turns within a round, the order rotating.
 
 The last line fits `peak MiB = a + b * tokens * embed_dim / 2**20` to ours (least squares), the formula
-`timm-ls features` states before a large image (`timm_layerscale.tools.dense.FORWARD_BYTES_PER_ELEMENT`).
+`timm-ls features` counts a forward by (`timm_layerscale.tools.feature_memory.forward_bytes`).
 """
 
 from __future__ import annotations
