@@ -174,8 +174,8 @@ def add_list(commands: argparse._SubParsersAction) -> None:
 
 def add_run(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("run", help="run a timm script (train.py, validate.py) with the variants registered")
-    parser.add_argument("script", help="path of the script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    parser.add_argument("script", metavar="SCRIPT", help="path of the script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
 
 
 def add_convert(commands: argparse._SubParsersAction) -> None:
