@@ -22,7 +22,7 @@ every page any temporary touched, which depends on where malloc placed each size
 returned when it is freed, so the peak is what the forward holds at once, whatever the heap's history.
 
 The last line fits `peak MiB = a + b * tokens * embed_dim / 2**20` to ours (least squares), the formula
-`timm-ls features` states before a large image (`timm_layerscale.tools.dense.FORWARD_BYTES_PER_ELEMENT`).
+`timm-ls features` counts a forward by (`timm_layerscale.tools.feature_memory.forward_bytes`).
 """
 
 from __future__ import annotations

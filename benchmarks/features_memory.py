@@ -4,11 +4,11 @@
 
 Each case runs in its own subprocess: it makes its images (noise, drawn from a seed), parses the command's own
 arguments, loads the model (`cli.features.load_model`) and plans the images from their headers, hands cached
-memory back (`malloc_trim`), then runs the rest of the command (`cli.features.run`: forwards, spool, PCA,
-pictures, the staged folder put in place) while a thread samples the process's `RssAnon` every millisecond.
-The figure is the peak above the `RssAnon` before the run, beside what the command counted for it
-(`cli.features.need`); the goal is a count within 25% of the measured peak. The spooled features are file pages
-(the page cache), not the process's anonymous memory.
+memory back (`malloc_trim`), then runs the rest of the command (`tools.feature_run.write_feature_pictures`:
+forwards, spool, PCA, pictures, the staged folder put in place) while a thread samples the process's `RssAnon`
+every millisecond. The figure is the peak above the `RssAnon` before the run, beside what the command counted
+for it (`tools.feature_run.need`); the goal is a count within 25% of the measured peak. The spooled features
+are file pages (the page cache), not the process's anonymous memory.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from PIL import Image
 
 from timm_layerscale.cli import features
+from timm_layerscale.tools import feature_pictures, feature_run
 from timm_ls.main import parse
 
 from .common import header, markdown, peak_memory_mib
@@ -63,12 +64,15 @@ def child(case: str) -> dict[str, float]:
     torch.manual_seed(0)
     loaded = features.load_model(args)
     size = None if args.size == "native" else int(args.size)
-    jobs = features.plan_images(sorted(root.glob("*.png")), size, loaded.patch)
+    jobs = feature_pictures.plan_images(sorted(root.glob("*.png")), size, loaded.patch)
     device = torch.device("cpu")
-    loaded.model.to(device, features.DTYPES[args.dtype])  # cast first: the fp32 weights it frees would hide a peak
-    counted, _ = features.need(loaded, jobs, args, device)
+    loaded.model.to(device, feature_run.DTYPES[args.dtype])  # cast first: the fp32 weights it frees would hide a peak
+    settings = features.settings(args)
+    counted = feature_run.need(loaded, jobs, settings, device).total
     with contextlib.redirect_stdout(io.StringIO()):
-        measured = peak_memory_mib(lambda: features.run(args, loaded, jobs, device), device)
+        measured = peak_memory_mib(
+            lambda: feature_run.write_feature_pictures(loaded, jobs, Path(args.out), settings, device), device
+        )
     return dict(counted=counted / 2**20, measured=measured)
 
 

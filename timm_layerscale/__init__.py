@@ -23,7 +23,7 @@ from .model import VisionTransformerLS
 from .publish import push_to_hub, save_for_hub, save_native
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "FORMATS",
     "VARIANTS",

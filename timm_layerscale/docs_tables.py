@@ -1,13 +1,15 @@
-"""The README's and the docs' tables, written from the registry: the shipped variants as `timm-ls list` counts
-them, the formats `convert --to` takes and the command's usage line, each between two marker comments:
+"""The README's and the docs' generated sections, written from the registry and the commands' parsers: the
+shipped variants as `timm-ls list` counts them, the formats `convert --to` takes, the first lines `timm-ls list`
+prints and every command's usage line (its page's `<!-- generated: COMMAND-usage -->`), each between two marker
+comments:
 
     <!-- generated: variants -->
     ...
     <!-- end generated -->
 
-Regenerate them after adding a variant or a format: `python -m timm_layerscale.docs_tables --write`.
+Regenerate them after adding a variant, a format or a flag: `python -m timm_layerscale.docs_tables --write`.
 `--check` (the default) names each page that differs and exits 1; tests/packaging/test_generated_docs.py runs
-it, so a variant or format added without regenerating fails the tests.
+it, so a variant, format or flag added without regenerating fails the tests.
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from typing import Any
 
 from timm_ls import paths
 from timm_ls.names import FORMATS
-from timm_ls.parsers import make_parser
+from timm_ls.parsers import COMMANDS, DEFAULT_COMMAND, make_parser
 
-from .cli.listing import licence_text, registered_variants
+from .cli.listing import licence_text, listing, registered_variants
 from .variants import VARIANTS
 
-__all__ = ["PAGES", "generated_sections", "main", "render", "stale_pages"]
+__all__ = ["PAGES", "generated_sections", "main", "render", "rendered_sections", "stale_pages"]
 
-PAGES = ("README.md", "docs/commands/convert.md")
+# The README and each command's page (docs/commands/<command>.md, which holds its usage line).
+PAGES = ("README.md", *(f"docs/commands/{command}.md" for command in sorted(COMMANDS)))
 MARKED = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
 OPENING = re.compile(r"<!-- generated: ([\w-]+) -->")
 REGENERATE = "python -m timm_layerscale.docs_tables --write"
@@ -38,6 +41,7 @@ REGENERATE = "python -m timm_layerscale.docs_tables --write"
 FAMILIES = {"dinov3": "DINOv3", "lingbot": "LingBot-Vision", "sapiens2": "Sapiens2"}
 WEIGHT_FAMILIES = {"eupe": "EUPE"}
 USAGE_WIDTH = 110
+LISTED_ROWS = 3  # the rows of `timm-ls list` its page shows, before "..."
 
 
 def variant_families(name: str, tags: Sequence[str]) -> list[str]:
@@ -99,32 +103,51 @@ def _top_level_words(text: str) -> list[str]:
     return [w for w in [*words, word] if w]
 
 
-def command_usage(command: str) -> str:
-    """A command's usage as its parser gives it, positionals first, wrapped under the command's name."""
+def _command_parser(command: str) -> argparse.ArgumentParser:
     (subparsers,) = (a for a in make_parser("")._actions if isinstance(a, argparse._SubParsersAction))
-    parser = subparsers.choices[command]
+    return subparsers.choices[command]
+
+
+def command_usage(command: str) -> str:
+    """A command's usage as its parser gives it, positionals first, wrapped under the command's name (the
+    default command's name in brackets: `timm-ls [demo]`)."""
+    parser = _command_parser(command)
+    optionals = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
     formatter = argparse.HelpFormatter(parser.prog, width=10**6)
-    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
-    words = [w for w in _top_level_words(formatter.format_help().strip()) if w != "[-h]"]
-    words = words[len(parser.prog.split()) :]
-    positionals = [a.metavar or a.dest for a in parser._actions if not a.option_strings]
-    words = [w for w in words if w in positionals] + [w for w in words if w not in positionals]
-    lines, line = [], parser.prog
-    for word in words:
+    formatter.add_usage(parser.usage, optionals, parser._mutually_exclusive_groups, prefix="")
+    words = _top_level_words(formatter.format_help().strip())[len(parser.prog.split()) :]
+    positionals = [formatter._format_args(a, a.dest) for a in parser._actions if not a.option_strings]
+    prog = f"timm-ls [{command}]" if command == DEFAULT_COMMAND else parser.prog
+    lines, line = [], prog
+    for word in [*positionals, *words]:
         if len(line) + 1 + len(word) > USAGE_WIDTH:
             lines.append(line)
-            line = " " * len(parser.prog) + " " + word
+            line = " " * len(prog) + " " + word
         else:
             line += " " + word
     return "```text\n" + "\n".join([*lines, line]) + "\n```\n"
 
 
+def list_output(found: Sequence[Mapping[str, Any]]) -> str:
+    """The first rows `timm-ls list` prints, as it prints them, and its last line."""
+    lines = listing(list(found)).splitlines()
+    return "```text\n" + "\n".join([*lines[: 1 + LISTED_ROWS], "...", lines[-1]]) + "\n```\n"
+
+
 def generated_sections() -> dict[str, Callable[[], str]]:
     """Each marked section's name -> what renders it now."""
+    found: list[dict] = []
+
+    def variants() -> list[dict]:  # counted once for both sections that show them
+        found[:] = found or registered_variants()
+        return found
+
+    usages = {f"{command}-usage": (lambda command=command: command_usage(command)) for command in COMMANDS}
     return {
-        "variants": lambda: variants_table(registered_variants()),
+        "variants": lambda: variants_table(variants()),
+        "list-output": lambda: list_output(variants()),
         "formats": formats_list,
-        "convert-usage": lambda: command_usage("convert"),
+        **usages,
     }
 
 
@@ -140,9 +163,15 @@ def render(text: str, sections: Mapping[str, str], page: str = "page") -> str:
     return MARKED.sub(lambda m: m.group(1) + sections[m.group("name")] + m.group(4), text)
 
 
-def stale_pages(root: Path, pages: Sequence[str] = PAGES) -> dict[str, str]:
-    """The pages under `root` whose generated sections differ from the registry's, with their text as now."""
-    sections = {name: make() for name, make in generated_sections().items()}
+def rendered_sections() -> dict[str, str]:
+    """Every generated section's text as the registry and the parsers give it now."""
+    return {name: make() for name, make in generated_sections().items()}
+
+
+def stale_pages(root: Path, pages: Sequence[str] = PAGES, sections: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The pages under `root` whose generated sections differ from the registry's (or from `sections`, as
+    `rendered_sections()` gave them), with their text as it should be."""
+    sections = rendered_sections() if sections is None else sections
     stale = {}
     for page in pages:
         text = (root / page).read_text()

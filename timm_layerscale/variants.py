@@ -21,9 +21,10 @@ from timm.models._builder import resolve_pretrained_cfg
 from timm.models._pretrained import PretrainedCfg
 
 from timm_ls import paths
+from timm_ls.layer_sets import feature_layers
 from timm_ls.plain_yaml import load_file
 
-from .config import VitLsConfig, feature_layers
+from .config import VitLsConfig
 from .hub import OFFICIAL_SUFFIX
 from .loading import load_pretrained
 from .model import VisionTransformerLS

@@ -15,6 +15,7 @@ from pathlib import Path
 from .destinations import destination_problem, format_destination_problem
 from .errors import CliError
 from .image_folder import TASKS, read_layout
+from .layer_sets import LAYER_SETS
 from .names import (
     CAST_DTYPES,
     EXPORT_DTYPES,
@@ -194,7 +195,6 @@ def check_features(args: argparse.Namespace) -> None:
 
 
 PROBE_TOKENS = ("cls", "avgpool", "cls+avgpool")
-LAYER_SETS = ("last", "last_four", "four_even")
 
 
 def parse_probe_layer(text: str) -> int | str:

@@ -53,6 +53,17 @@ def _model_kwargs(parser: argparse.ArgumentParser, example: str) -> None:
     )
 
 
+def _weights(parser: argparse.ArgumentParser, checkpoint: str, pretrained: str, pretrained_first: bool = False) -> None:
+    """`--checkpoint PATH` or `--pretrained`, never both, each with the command's own help, in the command's
+    order (its usage line and help list them so)."""
+    weights = parser.add_mutually_exclusive_group()
+    if pretrained_first:
+        weights.add_argument("--pretrained", action="store_true", help=pretrained)
+    weights.add_argument("--checkpoint", metavar="PATH", help=checkpoint)
+    if not pretrained_first:
+        weights.add_argument("--pretrained", action="store_true", help=pretrained)
+
+
 def _plot(parser: argparse.ArgumentParser, default: str | None) -> None:
     where = f" (default {default})" if default else ""
     parser.add_argument("--plot", metavar="FILE.png", default=None, help=f"write a PNG of the gammas{where}")
@@ -72,9 +83,7 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--variant", help="NAME, NAME.TAG or a YAML variant file (default: the experiment's, a small ViT-S)"
     )
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", metavar="PATH", help="show the gammas of this checkpoint (file or folder)")
-    weights.add_argument("--pretrained", action="store_true", help="show the gammas of the tag's Hub weights")
+    _weights(parser, "show the gammas of this checkpoint (file or folder)", "show the gammas of the tag's Hub weights")
     _model_kwargs(parser, "init_values=1e-6 depth=2")
     parser.add_argument(
         "--config",
@@ -112,9 +121,9 @@ def add_inspect(commands: argparse._SubParsersAction) -> None:
         help="a checkpoint file or folder, a vit_ls NAME[.TAG], a YAML variant file, or a timm model with LayerScale "
         "(deit3_*, cait_*, vit_*_dinov3, ...)",
     )
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--checkpoint", metavar="PATH", help="with a model name: read the gammas from this file")
-    weights.add_argument("--pretrained", action="store_true", help="with a model name: read its pretrained weights")
+    _weights(
+        parser, "with a model name: read the gammas from this file", "with a model name: read its pretrained weights"
+    )
     parser.add_argument(
         "--weights",
         choices=WEIGHTS_SETS,
@@ -165,8 +174,8 @@ def add_list(commands: argparse._SubParsersAction) -> None:
 
 def add_run(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("run", help="run a timm script (train.py, validate.py) with the variants registered")
-    parser.add_argument("script", help="path of the script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    parser.add_argument("script", metavar="SCRIPT", help="path of the script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
 
 
 def add_convert(commands: argparse._SubParsersAction) -> None:
@@ -291,9 +300,9 @@ def add_features(commands: argparse._SubParsersAction) -> None:
         help="a vit_ls variant, a YAML variant file, or a timm ViT with forward_intermediates (vit_*_dinov2, "
         "deit3_*, eva's vit_*_dinov3, ...); with --checkpoint, by default the model the checkpoint is",
     )
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--pretrained", action="store_true", help="the tag's Hub weights (else random init)")
-    weights.add_argument("--checkpoint", metavar="PATH", help="weights from this file or folder")
+    _weights(
+        parser, "weights from this file or folder", "the tag's Hub weights (else random init)", pretrained_first=True
+    )
     _model_kwargs(parser, "depth=2")
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write; must not exist")
     parser.add_argument("--overwrite", action="store_true", help="write into DIR although it exists")
@@ -345,9 +354,9 @@ def add_probe(commands: argparse._SubParsersAction) -> None:
         metavar="NAME[.TAG]|VARIANT.yaml",
         help="one or more models to compare: vit_ls variants, YAML variant files or timm ViTs",
     )
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--pretrained", action="store_true", help="the tags' Hub weights (else random init)")
-    weights.add_argument("--checkpoint", metavar="PATH", help="weights from this file or folder")
+    _weights(
+        parser, "weights from this file or folder", "the tags' Hub weights (else random init)", pretrained_first=True
+    )
     _model_kwargs(parser, "depth=2")
     parser.add_argument(
         "--layer",

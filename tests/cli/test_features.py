@@ -16,8 +16,7 @@ from support import move_off_init_
 from test_front import front, imported
 from torchvision.transforms.functional import normalize, to_tensor
 
-from timm_layerscale.cli import features as command
-from timm_layerscale.tools import dense
+from timm_layerscale.tools import dense, feature_run
 from timm_layerscale.tools import feature_memory as memory
 from timm_layerscale.tools import feature_pictures as pictures
 from timm_ls.main import main
@@ -190,7 +189,7 @@ def test_too_large_for_memory_is_refused_with_the_largest_size_that_fits(weights
     _, file = weights[OURS]
     image = draw_image(tmp_path / "a.png", (128, 96), 1)  # at --size 1024: 1360x1024 px, 85x64 patches
     free = memory.forward_bytes(2000, 384)
-    monkeypatch.setattr(command, "available_memory", lambda: free)
+    monkeypatch.setattr(feature_run, "available_memory", lambda: free)
     args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
     assert main([*args, "--size", "1024", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

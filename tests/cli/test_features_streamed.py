@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from support import move_off_init_
 
 from timm_layerscale.cli import features as command
-from timm_layerscale.tools import feature_memory, feature_pictures
+from timm_layerscale.tools import feature_memory, feature_pictures, feature_run
 from timm_ls.main import main, parse
 
 OURS = "vit_ls_small_patch16_dinov3"
@@ -166,8 +166,8 @@ def test_on_a_gpu_the_count_adds_the_models_weights_at_the_run_dtype(dtype, chec
     args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--dtype", dtype])
     loaded = command.load_model(args)
     jobs = feature_pictures.plan_images([image], 768, 16)
-    on_cpu, _ = command.need(loaded, jobs, args, torch.device("cpu"))
-    on_gpu, _ = command.need(loaded, jobs, args, torch.device("cuda"))
+    on_cpu = feature_run.need(loaded, jobs, command.settings(args), torch.device("cpu")).total
+    on_gpu = feature_run.need(loaded, jobs, command.settings(args), torch.device("cuda")).total
     element = 2 if dtype == "bf16" else 4
     weights = sum(t.numel() for t in [*loaded.model.parameters(), *loaded.model.buffers()]) * element
     assert on_gpu - on_cpu == weights > 0
@@ -180,8 +180,8 @@ def test_a_large_file_at_a_small_size_peaks_while_it_is_read(checkpoint, tmp_pat
     args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--size", "64"])
     loaded = command.load_model(args)
     (job,) = feature_pictures.plan_images([image], 64, 16)
-    counted, peak = command.need(loaded, [job], args, torch.device("cpu"))
-    assert peak.phase == "reading" and counted >= 2 * 4 * 4000 * 3000
+    counted = feature_run.need(loaded, [job], command.settings(args), torch.device("cpu"))
+    assert counted.peak.phase == "reading" and counted.total >= 2 * 4 * 4000 * 3000
     assert main([*args_of(image, checkpoint), "--size", "64", "--out", str(tmp_path / "out")]) == 0
     assert "at the peak (reading 1 image of 80x64 px" in capsys.readouterr().out
 
@@ -192,7 +192,7 @@ def args_of(image, checkpoint):
 
 def test_a_spool_that_would_not_fit_on_the_disk_is_refused_in_one_line(checkpoint, tmp_path, capsys, monkeypatch):
     image = noise(tmp_path / "a.png", (64, 48))
-    monkeypatch.setattr(command, "free_disk", lambda folder: 1000)  # bytes free beside the destination
+    monkeypatch.setattr(feature_run, "free_disk", lambda folder: 1000)  # bytes free beside the destination
     assert main([*args_of(image, checkpoint), "--size", "48", "--out", str(tmp_path / "out")]) == 2
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert "on disk while the command runs and 0.0 GiB is free beside" in err and "a smaller --size" in err, err

@@ -16,7 +16,8 @@ from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
 from timm_layerscale.checkpoints import CheckpointError, TensorInfo
 from timm_layerscale.checkpoints.read.dcp.reader import read_metadata, tensor_reader
-from timm_layerscale.checkpoints.read.reader import TRAINING_STATE, open_checkpoint
+from timm_layerscale.checkpoints.read.reader import open_checkpoint
+from timm_layerscale.checkpoints.read.weights_sets import TRAINING_STATE
 
 
 def backbone(value: float) -> dict[str, torch.Tensor]:

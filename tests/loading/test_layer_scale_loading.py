@@ -10,6 +10,8 @@ from support import TINY, assert_fp32_close, max_diff, move_off_init_
 from timm.models import load_checkpoint
 
 from timm_layerscale import CheckpointError, fold_layer_scale
+from timm_layerscale.checkpoints import log_report
+from timm_layerscale.checkpoints.mapping.fit import ReportLine
 from timm_ls.main import main
 
 NAME = "vit_ls_small_patch16_dinov3"
@@ -43,6 +45,25 @@ def test_gammas_fold_into_a_model_without_layer_scale(ffn, tmp_path, images, ls_
         assert_fp32_close(model.forward_features(images), src.forward_features(images))
     lines = layer_scale_lines(ls_log)
     assert len(lines) == 2 and all("folded 4 gammas" in line for line in lines)  # once per load
+    assert all(r.levelno == logging.WARNING for r in ls_log.records if "folded 4 gammas" in r.getMessage())
+    assert all(r.levelno == logging.INFO for r in ls_log.records if r.getMessage().startswith("loaded a checkpoint"))
+
+
+def test_a_report_line_is_logged_at_its_cause_level_whatever_its_words(ls_log):
+    """The level comes with the line from what made it: an information line that says "set " or "folded" is
+    not a warning, a warning's `WARNING: ` prefix is not logged, and a caller's own plain line is information."""
+    log_report(
+        [
+            ReportLine("dropped the optimizer's state set aside (folded into nothing)"),
+            ReportLine("WARNING: gammas look untrained", logging.WARNING, "gammas look untrained"),
+            "a caller's own line",
+        ]
+    )
+    assert [(r.levelno, r.getMessage()) for r in ls_log.records] == [
+        (logging.INFO, "dropped the optimizer's state set aside (folded into nothing)"),
+        (logging.WARNING, "gammas look untrained"),
+        (logging.INFO, "a caller's own line"),
+    ]
 
 
 @torch.no_grad()

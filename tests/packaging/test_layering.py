@@ -24,6 +24,7 @@ LAYERS = (
     ("timm_ls.interrupts", -1),
     ("timm_ls.plain_yaml", -1),
     ("timm_ls.image_folder", -1),
+    ("timm_ls.layer_sets", -1),
     ("config", 0),
     ("layers", 1),
     ("checkpoints.errors", 2.0),

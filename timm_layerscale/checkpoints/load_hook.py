@@ -11,13 +11,13 @@ train.py's `--initial-checkpoint` and validate.py's `--checkpoint` load without 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
 from .formats import recognise
-from .mapping.fit import Fitted, fit_to_model
+from .mapping.fit import Fitted, ReportLine, fit_to_model
 from .mapping.keys import StateDict
 from .mapping.plan import Plan
 from .read.reader import LazyCheckpoint, open_checkpoint
@@ -62,12 +62,12 @@ def convert_state_dict(checkpoint: Any, model: nn.Module, pretrained: bool = Fal
     return dict(fitted.plan.items()), fitted.report(f"loaded a checkpoint with {fitted.layout}")
 
 
-def log_report(lines: list[str]) -> None:
+def log_report(lines: Sequence[str]) -> None:
+    """Logs a load's report on the `timm_layerscale` logger, each line at the level that what made it gives it
+    (`ReportLine.level`); a plain string is information."""
     for line in lines:
-        if line.startswith("WARNING: "):
-            _logger.warning(line[len("WARNING: ") :])
-        elif any(word in line for word in ("folded", "set ", "re-initialised")):
-            _logger.warning(line)
+        if isinstance(line, ReportLine):
+            _logger.log(line.level, line.message)
         else:
             _logger.info(line)
 

@@ -3,54 +3,26 @@
 The model is a vit_ls variant (random, `--pretrained` or `--checkpoint` weights, a checkpoint read by the one
 identity rule of every command: `--model` > what it records > its family > its shapes), a YAML variant file,
 or any timm ViT with `forward_intermediates` (DINOv2, DeiT-III, eva), built with `dynamic_img_size=True`.
-The run itself, streamed a batch at a time, is `tools.feature_pictures`'; its memory count `tools.feature_memory`'.
+This module parses, builds the model and prints; the run is `tools.feature_run.write_feature_pictures`.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import timm
 import torch
-from timm.data import resolve_data_config
 from torch import nn
 
 from timm_ls.names import is_variant_file
 from timm_ls.paths import image_files
 
-from ..checkpoints.errors import CheckpointError
-from ..checkpoints.write.writers import atomic_destination, staged_into
-from ..tools.feature_memory import Peak, available_memory, largest_size, peak_bytes, spool_bytes
-from ..tools.feature_pictures import SPOOL_NAME, ImageJob, Spool, draw_all, free_disk, plan_images, run_forwards
+from ..tools.feature_pictures import plan_images
+from ..tools.feature_run import FeatureSettings, Loaded, write_feature_pictures
 from ..variants import VARIANTS
-from .common import (
-    CliError,
-    build,
-    build_from_checkpoint,
-    count,
-    load_report,
-    parse_model_kwargs,
-    resolve_variant,
-    warn,
-)
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Loaded:
-    """The model and what the command says of it."""
-
-    model: nn.Module
-    name: str
-    source: str
-    patch: int
-    prefix: int
+from .common import CliError, build, build_from_checkpoint, load_report, parse_model_kwargs, resolve_variant, warn
 
 
 def _timm_model(args: argparse.Namespace, name: str, kwargs: dict) -> tuple[nn.Module, str]:
@@ -96,69 +68,6 @@ def load_model(args: argparse.Namespace) -> Loaded:
     return Loaded(model.eval(), name, source, patch, getattr(model, "num_prefix_tokens", 1))
 
 
-def block_index(text: str, depth: int) -> int:
-    """`--layer`: an index (negative from the end) or `last`, checked against the model's depth."""
-    index = depth - 1 if text == "last" else int(text)
-    index = index + depth if index < 0 else index
-    if not 0 <= index < depth:
-        raise CliError(f"--layer {text}: the model has {depth} blocks; pass 0 to {depth - 1}, -1 or last")
-    return index
-
-
-def available(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return available_memory() if device.type == "cpu" else None
-
-
-def weights_bytes(model: nn.Module, element: int) -> int:
-    return sum(t.numel() for t in [*model.parameters(), *model.buffers()]) * element
-
-
-def need(loaded: Loaded, jobs: list[ImageJob], args: argparse.Namespace, device: torch.device) -> tuple[int, Peak]:
-    """The bytes the run will hold at its peak above what is held now, and where that peak is."""
-    element = DTYPES[args.dtype].itemsize
-    joint = not args.per_image and len(jobs) > 1
-    peak = peak_bytes(jobs, args.batch, loaded.model.embed_dim, element, loaded.prefix, joint, args.foreground)
-    weights = weights_bytes(loaded.model, element) if device.type != "cpu" else 0
-    return weights + peak.bytes, peak
-
-
-def plan(loaded: Loaded, jobs: list[ImageJob], args: argparse.Namespace, device: torch.device) -> str:
-    """What the run will hold at its peak, in one line; a run that would not fit is refused with the largest
-    --size that does. On a GPU the model's weights count there too (on the CPU they are loaded already)."""
-    weights = weights_bytes(loaded.model, DTYPES[args.dtype].itemsize) if device.type != "cpu" else 0
-    total, peak = need(loaded, jobs, args, device)
-    free = available(device)
-    job, n = peak.job, peak.batch
-    if free is not None and total > free:
-        fits = lambda planned: need(loaded, planned, args, device)[0] <= free  # noqa: E731
-        side = largest_size(jobs, fits) if weights < free else 0
-        fix = f"pass --size {side} or less (the largest shorter side that fits)" if side else "free memory"
-        raise CliError(
-            f"{job.path} at {job.crop[0]}x{job.crop[1]} px is {job.patches} patches; {count(n, 'image')} of it "
-            f"take about {total / 2**30:.2f} GiB at the peak ({peak.phase}) and {free / 2**30:.2f} GiB is "
-            f"available; {fix}" + (" or a smaller --batch" if n > 1 else "")
-        )
-    check_disk(jobs, loaded.model.embed_dim, args)
-    where = f" of {free / 2**30:.1f} GiB available" if free is not None else ""
-    return (
-        f"plan: {count(len(jobs), 'image')}; at the peak ({peak.phase} {count(n, 'image')} of "
-        f"{job.crop[0]}x{job.crop[1]} px, {job.patches} patches each) about {total / 2**30:.2f} GiB{where}"
-    )
-
-
-def check_disk(jobs: list[ImageJob], dim: int, args: argparse.Namespace) -> None:
-    """The spool (and with --save the features) must fit on the destination's disk while the command runs."""
-    spooled = spool_bytes(jobs, dim) * (2 if args.save else 1)
-    disk = free_disk(Path(args.out).absolute().parent)
-    if spooled > disk:
-        raise CliError(
-            f"the features of {count(len(jobs), 'image')} take {spooled / 2**30:.1f} GiB on disk while the command "
-            f"runs and {disk / 2**30:.1f} GiB is free beside {args.out}; pass fewer images or a smaller --size"
-        )
-
-
 def find_device(name: str) -> torch.device:
     """`--device`, checked before any work: a name torch knows, on a machine that has it."""
     try:
@@ -171,15 +80,17 @@ def find_device(name: str) -> torch.device:
     return device
 
 
-@contextmanager
-def output_folder(out: Path, overwrite: bool) -> Iterator[Path]:
-    """The folder the results go into, staged beside `out`: a new `out` appears whole, an existing one
-    (--overwrite) gets every file at once; an error or a signal leaves `out` as it was."""
-    try:
-        with staged_into(out) if out.is_dir() and overwrite else atomic_destination(out, folder=True) as staged:
-            yield staged
-    except CheckpointError as exc:
-        raise CliError(str(exc)) from None
+def settings(args: argparse.Namespace) -> FeatureSettings:
+    """The run's settings from the command's flags."""
+    return FeatureSettings(
+        layer=args.layer,
+        batch=args.batch,
+        dtype=args.dtype,
+        per_image=args.per_image,
+        foreground=args.foreground,
+        save=args.save,
+        overwrite=args.overwrite,
+    )
 
 
 def execute(args: argparse.Namespace) -> int:
@@ -188,40 +99,6 @@ def execute(args: argparse.Namespace) -> int:
     paths = image_files(args.images)
     torch.manual_seed(0)  # a random-init model gives the same picture on every run
     loaded = load_model(args)
-    return run(args, loaded, plan_images(paths, size, loaded.patch), device)
-
-
-def run(args: argparse.Namespace, loaded: Loaded, jobs: list[ImageJob], device: torch.device) -> int:
-    """The planned run of a loaded model: the plan said, the forwards, the pictures staged, then in place."""
-    layer = block_index(args.layer, len(loaded.model.blocks))
-    data_cfg = resolve_data_config({}, model=loaded.model)
-    print(f"model: {loaded.name}; weights: {loaded.source}")
-    print(plan(loaded, jobs, args, device))
-    loaded.model.to(device, DTYPES[args.dtype])
-    out, joint = Path(args.out), not args.per_image and len(jobs) > 1
-    with output_folder(out, args.overwrite) as staged:
-        spool = Spool(staged / SPOOL_NAME)
-        try:
-            streamed = run_forwards(
-                loaded.model,
-                jobs,
-                layer,
-                data_cfg,
-                batch=args.batch,
-                dtype=DTYPES[args.dtype],
-                device=device,
-                spool=spool,
-                joint=joint,
-            )
-            about = dict(model=loaded.name, source=loaded.source, layer=str(layer), depth=str(len(loaded.model.blocks)))
-            lines = draw_all(staged, jobs, streamed, masked=args.foreground, save=args.save, about=about)
-        finally:
-            spool.close()
-    fitted = "per image" if not joint else f"fitted on all {len(jobs)} images together"
-    print(
-        f"features: block {layer} of {len(loaded.model.blocks)} (0-based), normed patch tokens (the "
-        f"{loaded.prefix} prefix tokens left out); PCA {fitted}"
-    )
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    jobs = plan_images(paths, size, loaded.patch)
+    print("\n".join(write_feature_pictures(loaded, jobs, Path(args.out), settings(args), device)))
     return 0

@@ -12,6 +12,8 @@ import timm
 from ..variants import VARIANTS, config_dir
 from .common import table
 
+JSON_HINT = "Hub repos and YAML files: timm-ls list --json"
+
 
 def _shipped(source: str) -> bool:
     return Path(source).resolve().parent == config_dir().resolve()
@@ -47,11 +49,8 @@ def registered_variants() -> list[dict]:
     return found
 
 
-def execute(args: argparse.Namespace) -> int:
-    found = registered_variants()
-    if args.json:
-        print(json.dumps(found, indent=1))
-        return 0
+def listing(found: list[dict]) -> str:
+    """What `timm-ls list` prints of `found` (`registered_variants()`): a table, then where the rest is."""
     header = ["variant", "params", "pretrained tags", "licence"]
     rows = [
         [v["name"], f"{v['params'] / 1e6:,.1f}M", ", ".join(v["tags"]) or "-", licence_text(v["licenses"])]
@@ -60,6 +59,10 @@ def execute(args: argparse.Namespace) -> int:
     if not all(v["shipped"] for v in found):  # a variant registered from the user's own YAML says which file
         header.append("config")
         rows = [[*row, "" if v["shipped"] else v["config"]] for row, v in zip(rows, found)]
-    print(table(header, rows))
-    print("Hub repos and YAML files: timm-ls list --json")
+    return table(header, rows) + "\n" + JSON_HINT
+
+
+def execute(args: argparse.Namespace) -> int:
+    found = registered_variants()
+    print(json.dumps(found, indent=1) if args.json else listing(found))
     return 0

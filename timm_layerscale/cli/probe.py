@@ -20,8 +20,9 @@ from ..probe.cache import FeatureCache, weights_digest
 from ..probe.extract import Extraction, split_features
 from ..probe.knn import KS
 from ..probe.split import stratified_split
+from ..tools.feature_run import DTYPES
 from .common import CliError, count, table, warn
-from .features import DTYPES, find_device, load_model
+from .features import find_device, load_model
 
 
 def _check_data(layout: Layout, args: argparse.Namespace) -> int:

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import FEATURE_LAYER_NAMES, VitLsConfig, feature_layers
+from timm_ls.layer_sets import FEATURE_LAYER_NAMES, feature_layers
+
+from ..config import VitLsConfig
 from ..model import VisionTransformerLS
 from .errors import ExportError
 
@@ -25,7 +27,7 @@ SIDE_CHECK_NODE = "pixel_values_sides_must_be_multiples_of_the_patch_size"
 
 def parse_outputs(outputs: str | Sequence[int] | None, depth: int) -> tuple[str, list[int]]:
     """`pooled`, `tokens` or `features:I,J,...` (negative block indices count from the end, or names of
-    `config.feature_layers`: `features:four_even`)."""
+    `timm_ls.layer_sets`: `features:four_even`)."""
     spec = (outputs or "pooled").strip()
     kind, _, indices = spec.partition(":")
     if kind in ("pooled", "tokens") and not indices:

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import feature_layers
+from timm_ls.layer_sets import LAYER_SETS, feature_layers
+
 from .data import IGNORE
 from .extract import SplitFeatures
 from .knn import knn
 from .logreg import logistic_regression
 from .segment import concatenated, linear_segmentation
 from .split import stratified_split
-
-LAYER_SETS = ("last", "last_four", "four_even")
 
 
 def layer_blocks(text: str, depth: int) -> list[int]:

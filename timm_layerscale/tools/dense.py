@@ -154,13 +154,18 @@ def foreground_mask(first: Pca, features: np.ndarray, flip: bool) -> np.ndarray:
     return (-scores if flip else scores) > FOREGROUND_THRESHOLD
 
 
-def foreground(features: Sequence[np.ndarray], grids: Sequence[tuple[int, int]]) -> list[np.ndarray]:
-    """DINOv2's foreground over these images together: the first component of their PCA above the threshold,
-    on the side that holds fewer border patches."""
-    first = fit_pca(np.concatenate(features), components=1)
+def foreground_masks(first: Pca, features: Sequence[np.ndarray], grids: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+    """Each image's foreground by `first` (the first component of a PCA over all of them): above the
+    threshold, on the side that holds fewer of all the images' border patches (one sign vote over them all)."""
     votes = [border_votes(first, f, g) for f, g in zip(features, grids)]
     flip = sum(v[0] for v in votes) / sum(v[1] for v in votes) > 0.5
     return [foreground_mask(first, f, flip) for f in features]
+
+
+def foreground(features: Sequence[np.ndarray], grids: Sequence[tuple[int, int]]) -> list[np.ndarray]:
+    """DINOv2's foreground over these images together: the first component of their PCA above the threshold,
+    on the side that holds fewer border patches."""
+    return foreground_masks(fit_pca(np.concatenate(features), components=1), features, grids)
 
 
 def pca_colours(

@@ -3,7 +3,7 @@
 The run has three phases, one batch or one image at a time, and the peak is the largest of them over the run,
 plus what lasts through it (the joint PCA's `C x C` sums and the foreground's masks). Each term is the arrays
 the code makes (`tools/feature_pictures.py`), in bytes: PIL holds a decoded RGB image at 4 bytes a pixel; a
-forward takes `dense.forward_bytes` (fitted to the measured peak of a forward); features leave the model as
+forward takes `forward_bytes` (fitted to the measured peak of a forward); features leave the model as
 float32 and are fitted in float64. The spooled features are in the page cache, not the process's memory.
 `benchmarks/features_memory.py` measures the peak `RssAnon` of the run against this count.
 """

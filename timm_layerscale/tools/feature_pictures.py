@@ -2,10 +2,10 @@
 
 Before any pixel is decoded every image is planned from its header (`plan_images`): where it goes (resized,
 centre-cropped to whole patches), within the pixel limit and the patches an image may have (`MAX_PATCHES`, the
-time bound). `plan_memory` then states what the run holds at its peak and refuses what would not fit. The run
-reads, resizes, forwards and spools one batch at a time (`Spool`: a file beside the output, read back through
-the page cache), fitting the PCA as the features stream by (`dense.PcaFit`: its memory is `C x C`); the
-pictures are then drawn from the spool, one image at a time.
+time bound). `feature_run.plan_line` then states what the run holds at its peak and refuses what would not
+fit. The run reads, resizes, forwards and spools one batch at a time (`Spool`: a file beside the output, read
+back through the page cache), fitting the PCA as the features stream by (`dense.PcaFit`: its memory is
+`C x C`); the pictures are then drawn from the spool, one image at a time.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from .dense import (
     Foreground,
     Pca,
     PcaFit,
-    border_votes,
     colours,
     foreground,
-    foreground_mask,
+    foreground_masks,
     image_size,
     largest_side_where,
     pca_colours,
@@ -231,9 +230,7 @@ def masks_and_colours(
         return streamed.fit.pca(), None, [None] * len(jobs)
     first = streamed.fit.pca(components=1)
     features = [streamed.spool.get(i) for i in streamed.features]
-    votes = [border_votes(first, f, job.grid) for f, job in zip(features, jobs)]
-    flip = sum(v[0] for v in votes) / sum(v[1] for v in votes) > 0.5
-    masks = [foreground_mask(first, f, flip) for f in features]
+    masks = foreground_masks(first, features, [job.grid for job in jobs])
     kept = PcaFit(first.mean.shape[0])
     for f, mask in zip(features, masks):
         kept.add(np.asarray(f)[mask])

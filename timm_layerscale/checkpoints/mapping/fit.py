@@ -7,6 +7,7 @@ dict (for a file, a model built on the meta device), so they agree on every rule
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,6 +43,19 @@ def fillable(key: str) -> bool:
     return key.endswith(FILLED_KEY_ENDINGS) or NATIVE_GAMMA_KEY.match(key) is not None
 
 
+class ReportLine(str):
+    """A line of a load's report, a `str` for callers that print the report, with the log level its cause gives
+    it and the message logged at that level (the line without its `WARNING: ` prefix)."""
+
+    level: int
+    message: str
+
+    def __new__(cls, text: str, level: int = logging.INFO, message: str | None = None) -> ReportLine:
+        line = super().__new__(cls, text)
+        line.level, line.message = level, text if message is None else message
+        return line
+
+
 @dataclass
 class Fitted:
     layout: str  # as users name the keys: "Meta DINOv3 keys", "timm eva keys"
@@ -51,15 +65,17 @@ class Fitted:
     layer_scale: LayerScalePlan
     warnings: list[str]
 
-    def report(self, first_line: str | None = None, warnings: bool = True) -> list[str]:
+    def report(self, first_line: str | None = None, warnings: bool = True) -> list[ReportLine]:
         """What the fit did, a line each; `warnings=False` leaves the warnings to a caller that prints them."""
-        lines = [first_line] if first_line else []
+        lines = [ReportLine(first_line)] if first_line else []
         if self.filled:
-            lines.append("filled " + ", ".join(self.filled))
+            lines.append(ReportLine("filled " + ", ".join(self.filled)))
         if self.dropped:
-            lines.append("dropped " + ", ".join(self.dropped))
-        lines.append(self.layer_scale.summary())
-        return lines + ([f"WARNING: {w}" for w in self.warnings] if warnings else [])
+            lines.append(ReportLine("dropped " + ", ".join(self.dropped)))
+        # Gammas folded, set to 1 or restarted are weights the load changed: the user is told as a warning.
+        changed = logging.WARNING if self.layer_scale.changes_gammas else logging.INFO
+        lines.append(ReportLine(self.layer_scale.summary(), changed))
+        return lines + ([ReportLine(f"WARNING: {w}", logging.WARNING, w) for w in self.warnings] if warnings else [])
 
 
 def checked_periods(periods: Tensor) -> Tensor:

@@ -60,6 +60,11 @@ class LayerScalePlan:
             steps.append(Step((f"{proj}.weight", f"{proj}.bias"), (f"{proj}.weight", bias, gamma), _fold))
         return steps
 
+    @property
+    def changes_gammas(self) -> bool:
+        """Whether the load gives the model gammas other than the checkpoint's (folded, set to 1, restarted)."""
+        return bool(self.folded or self.missing or self.restarted)
+
     def summary(self) -> str:
         parts = []
         if self.restarted:

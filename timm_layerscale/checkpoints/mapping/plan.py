@@ -9,6 +9,7 @@ layout), and iterating one yields `(key, tensor)` pairs while holding only the c
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,21 +54,16 @@ def info_of(source: Mapping[str, Tensor], key: str) -> TensorInfo:
     return TensorInfo(tensor.shape, tensor.dtype)
 
 
-class Plan(Mapping[str, Tensor]):
-    """Output tensors in step order. `plan[key]` runs the step that makes `key` (once for all its outputs
-    read in a row); `info(key)` answers from the plan alone."""
+class LazyTensors(Mapping[str, Tensor]):
+    """Tensors known by name, shape and dtype before any is read: `info(key)`, `infos`, `nbytes`, `in`, `len`
+    and iterating answer from the infos; `self[key]` reads that one tensor (`_read`). The base of a plan and of
+    a lazy checkpoint."""
 
-    def __init__(self, source: Mapping[str, Tensor], steps: Iterable[Step]) -> None:
-        self.source = source
-        self._infos: dict[str, TensorInfo] = {}
-        self._step_of: dict[str, Step] = {}
-        self._last: tuple[Step | None, dict[str, Tensor]] = (None, {})
-        for step in steps:
-            probes = [None if k is None else _meta(info_of(source, k)) for k in step.inputs]
-            for key, out in zip(step.outputs, _planned(step, probes), strict=True):
-                if out is not None:
-                    self._infos[key] = TensorInfo(out.shape, out.dtype)
-                    self._step_of[key] = step
+    _infos: dict[str, TensorInfo]
+
+    @abstractmethod
+    def _read(self, key: str) -> Tensor:
+        """The tensor of `key`, a key the infos hold."""
 
     def info(self, key: str) -> TensorInfo:
         return self._infos[key]
@@ -80,16 +76,10 @@ class Plan(Mapping[str, Tensor]):
     def nbytes(self) -> int:
         return sum(info.nbytes for info in self._infos.values())
 
-    def step(self, key: str) -> Step:
-        return self._step_of[key]
-
     def __getitem__(self, key: str) -> Tensor:
-        step = self._step_of[key]
-        if self._last[0] is not step:
-            self._last = (None, {})  # let the previous step's tensors go before reading the next ones
-            made = step.fn(*(None if k is None else self.source[k] for k in step.inputs))
-            self._last = (step, {k: t for k, t in zip(step.outputs, made, strict=True) if k in self._infos})
-        return self._last[1][key]
+        if key not in self._infos:
+            raise KeyError(key)
+        return self._read(key)
 
     def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
         return key in self._infos
@@ -99,6 +89,34 @@ class Plan(Mapping[str, Tensor]):
 
     def __len__(self) -> int:
         return len(self._infos)
+
+
+class Plan(LazyTensors):
+    """Output tensors in step order. `plan[key]` runs the step that makes `key` (once for all its outputs
+    read in a row); `info(key)` answers from the plan alone."""
+
+    def __init__(self, source: Mapping[str, Tensor], steps: Iterable[Step]) -> None:
+        self.source = source
+        self._infos = {}
+        self._step_of: dict[str, Step] = {}
+        self._last: tuple[Step | None, dict[str, Tensor]] = (None, {})
+        for step in steps:
+            probes = [None if k is None else _meta(info_of(source, k)) for k in step.inputs]
+            for key, out in zip(step.outputs, _planned(step, probes), strict=True):
+                if out is not None:
+                    self._infos[key] = TensorInfo(out.shape, out.dtype)
+                    self._step_of[key] = step
+
+    def step(self, key: str) -> Step:
+        return self._step_of[key]
+
+    def _read(self, key: str) -> Tensor:
+        step = self._step_of[key]
+        if self._last[0] is not step:
+            self._last = (None, {})  # let the previous step's tensors go before reading the next ones
+            made = step.fn(*(None if k is None else self.source[k] for k in step.inputs))
+            self._last = (step, {k: t for k, t in zip(step.outputs, made, strict=True) if k in self._infos})
+        return self._last[1][key]
 
     def release(self) -> None:
         """Drops the tensors of the last step run (down the chain too)."""

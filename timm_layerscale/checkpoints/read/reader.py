@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +21,14 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from timm_ls.names import WEIGHTS_SETS
-
 from ..dtypes import torch_dtype, unknown_name_reason
 from ..errors import CheckpointError, reason, torch_load_error
-from ..mapping.plan import TensorInfo
+from ..mapping.plan import LazyTensors, TensorInfo
 from . import dcp
 from .bounds import check_count, read_config_json
 from .sniff import PASS_WEIGHTS, sniff
+from .weights_sets import ONLY_SET as ONLY_SET  # where a format names a source's only set
+from .weights_sets import left_out, select_weights
 
 # What a source is: `LazyCheckpoint.kind`.
 KIND_SAFETENSORS = "safetensors file"
@@ -40,25 +39,6 @@ KIND_LEGACY_TORCH = "legacy torch file"
 KIND_DCP = "distributed checkpoint"
 KIND_HUB_FOLDER = "Hub folder"
 KIND_STATE_DICT = "state dict"
-# `LazyCheckpoint.weights` for a source that holds one weights set only.
-ONLY_SET = "the only weights set"
-
-# Weights sets a training checkpoint may hold, as top-level names, best first.
-EMA_SETS = ("model_ema", "teacher", "state_dict_ema")
-RAW_SETS = ("student", "state_dict", "model")
-# Other top-level names of training checkpoints: a file whose top level is only these and sets is a container.
-TRAINING_STATE = (
-    *("optimizer", "scheduler", "lr_scheduler", "scaler", "grad_scaler", "amp_scaler"),
-    *("iteration", "epoch", "args", "dataloader", "train_state"),
-)
-# Prefixes that wrap a backbone in training checkpoints, DDP and torch.compile models.
-WRAPPER_PREFIXES = ("module.", "backbone.", "_orig_mod.")
-# Meta's DINOv3 pretraining heads, kept apart from the backbone when asked for (`open_checkpoint(heads=True)`).
-HEADS = re.compile(r"^(dino_head|ibot_head)\.")
-# Keys of pretraining heads, losses, the Gram teacher and other parts no backbone holds.
-TRAINING_ONLY = re.compile(
-    r"^(dino_head|ibot_head|dino_loss|ibot_patch_loss|koleo_loss|gram_loss|gram_teacher|projectors|gram)\."
-)
 # Weights files of a Hub-layout folder (transformers and timm), best first.
 HUB_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # Meta's DINOv3 training writes the EMA teacher for evaluation as one of these, inside `eval/<iteration>/`.
@@ -66,7 +46,7 @@ META_EVAL_TEACHER = ("sharded_teacher_checkpoint", "teacher_checkpoint.pth")
 WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
 
 
-class LazyCheckpoint(Mapping[str, torch.Tensor]):
+class LazyCheckpoint(LazyTensors):
     """The tensors of one weights set of a checkpoint. `ckpt[key]` reads that tensor only.
 
     `kind` says what the source is (`KIND_*`), `weights` which set was taken; `info(key)` gives the shape and
@@ -98,31 +78,13 @@ class LazyCheckpoint(Mapping[str, torch.Tensor]):
         self.hub_config = hub_config
         self.recorded = recorded
         self.files = files
-        self.left_out = left_out or []  # what the chosen set holds beside the backbone (`_left_out`)
+        self.left_out = left_out or []  # what the chosen set holds beside the backbone (`left_out`)
         self._infos = infos
-        self._read = read
+        self._read_tensor = read
         self._close = close
 
-    def info(self, key: str) -> TensorInfo:
-        return self._infos[key]
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._infos:
-            raise KeyError(key)
-        return self._read(key)
-
-    def __contains__(self, key: object) -> bool:  # Mapping's default would read the tensor
-        return key in self._infos
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._infos)
-
-    def __len__(self) -> int:
-        return len(self._infos)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(info.nbytes for info in self._infos.values())
+    def _read(self, key: str) -> torch.Tensor:
+        return self._read_tensor(key)
 
     @property
     def summary(self) -> str:
@@ -150,68 +112,6 @@ class _Flat:
     close: Callable[[], None] = lambda: None
     hub_config: dict[str, Any] | None = None
     recorded: dict[str, Any] | None = None  # what a training checkpoint says of its model (`recorded_model`)
-
-
-def _is_container(top: set[str]) -> bool:
-    sets = (*EMA_SETS, *RAW_SETS)
-    return bool(top & set(sets)) and all(t in sets or t in TRAINING_STATE or TRAINING_ONLY.match(t + ".") for t in top)
-
-
-def _inside(names: dict[str, str], prefix: str) -> dict[str, str]:
-    return {k[len(prefix) :]: v for k, v in names.items() if k.startswith(prefix)}
-
-
-def select_weights(
-    keys: list[str], weights: str, source: str, heads: dict[str, str] | None = None
-) -> tuple[str, dict[str, str]]:
-    """Picks one weights set among flat keys; returns its name and {backbone key: flat key}.
-
-    `heads`, when given, is filled with the set's pretraining heads, {`dino_head.*`/`ibot_head.*`: flat key}.
-
-    A training checkpoint nests weights sets under top-level names (`teacher.`, `state_dict_ema.`, ...);
-    anything else at the top level (`blocks.`, `embeddings.`, `module.`) makes the file one plain set. A single
-    set that holds sets itself (DCP's `model.` around Meta's `student.`/`teacher.`/`model_ema.`) is looked into.
-    """
-    if weights not in WEIGHTS_SETS:
-        raise CheckpointError(f"weights must be one of {', '.join(WEIGHTS_SETS)}; got {weights!r}")
-    names, taken = {k: k for k in keys}, ONLY_SET
-    while True:
-        if heads is not None:
-            heads.update({k: v for k, v in names.items() if HEADS.match(k)})
-            names = {k: v for k, v in names.items() if not HEADS.match(k)}
-        names = _strip_wrappers(names)
-        top = {k.split(".", 1)[0] for k in names}
-        if not _is_container(top):
-            break
-        ema = [s for s in EMA_SETS if s in top]
-        raw = [s for s in RAW_SETS if s in top]
-        if len(ema + raw) == 1:
-            inner = _strip_wrappers(_inside(names, (ema + raw)[0] + "."))
-            if _is_container({k.split(".", 1)[0] for k in inner}):
-                names = inner
-                continue
-        if weights == "ema" and not ema:
-            raise CheckpointError(f"{source} holds no EMA or teacher weights; pass --weights raw (or auto)")
-        if weights == "raw" and not raw:
-            raise CheckpointError(f"{source} holds only EMA or teacher weights; pass --weights ema (or auto)")
-        chosen = (ema if weights != "raw" and ema else raw)[0]
-        names = _inside(names, chosen + ".")
-        taken = chosen if taken == ONLY_SET else f"{taken}.{chosen}"
-    if weights == "ema" and taken == ONLY_SET:
-        raise CheckpointError(f"{source} holds no EMA or teacher weights; pass --weights raw (or auto)")
-    return taken, {k: v for k, v in names.items() if not TRAINING_ONLY.match(k)}
-
-
-def _strip_wrappers(keys: dict[str, str]) -> dict[str, str]:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            inside = [k for k in keys if k.startswith(prefix)]
-            if inside and len(inside) >= len(keys) // 2:
-                keys = _inside(keys, prefix)
-                changed = True
-    return keys
 
 
 def _flatten(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -480,15 +380,8 @@ def open_checkpoint(
         head_infos = {k: flat.infos[f] for k, f in head_keys.items()}
         kept = LazyCheckpoint(path, flat.kind, taken, head_infos, lambda k: flat.read(head_keys[k]))
     infos = {k: flat.infos[f] for k, f in keys.items()}
-    left_out = _left_out(list(flat.infos), {*keys.values(), *(head_keys or {}).values()}, taken)
+    dropped = left_out(list(flat.infos), {*keys.values(), *(head_keys or {}).values()}, taken)
     read = lambda k: flat.read(keys[k])  # noqa: E731
     return LazyCheckpoint(
-        path, flat.kind, taken, infos, read, flat.close, flat.hub_config, flat.files, kept, flat.recorded, left_out
+        path, flat.kind, taken, infos, read, flat.close, flat.hub_config, flat.files, kept, flat.recorded, dropped
     )
-
-
-def _left_out(flat_keys: list[str], used: set[str], taken: str) -> list[str]:
-    """The chosen set's keys that no backbone holds, training-only ones aside (a task head): what is dropped."""
-    inside = "" if taken == ONLY_SET else taken + "."
-    left = [k[len(inside) :] for k in flat_keys if k not in used and k.startswith(inside)]
-    return [k for k in left if not TRAINING_ONLY.match(k.removeprefix("module.")) and not HEADS.match(k)]
