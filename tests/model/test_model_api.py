@@ -181,6 +181,7 @@ def test_forward_intermediates_contract_and_meta_method(images):
     assert max_diff(final, model.forward_features(images)) == 0
     assert [t.shape for t, _ in inter] == [(2, 64, 3, 5)] * 2
     gil = model.get_intermediate_layers(images, n=2, reshape=True, return_class_token=True, return_extra_tokens=True)
+    assert len(gil) == len(inter) == 2  # stop_early runs every block up to the last one taken
     for (patch, prefix), (g_patch, g_cls, g_extra) in zip(inter, gil):
         assert torch.equal(patch, g_patch) and torch.equal(prefix[:, 0], g_cls) and torch.equal(prefix[:, 1:], g_extra)
     nlc = model.forward_intermediates(images, indices=[0], output_fmt="NLC", intermediates_only=True)
