@@ -15,6 +15,10 @@ from typing import Any
 
 from timm_ls.plain_yaml import load_text
 
+from .families import family_problem, is_family
+from .feature_blocks import FEATURE_LAYER_NAMES as FEATURE_LAYER_NAMES
+from .feature_blocks import feature_layers as feature_layers
+
 FFN_LAYERS = ("mlp", "swiglu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 ROPE_DTYPES = ("fp32", "bf16")
@@ -126,6 +130,9 @@ KV_HEADS = Rule(
 )
 
 
+FAMILY = Rule(is_family, "a registered family: dinov3, lingbot, sapiens2, or one added by register_family")
+
+
 def one_of(choices: tuple[str, ...]) -> Rule:
     return Rule(lambda v: v in choices, f"one of {choices}")
 
@@ -137,6 +144,8 @@ def knob(default: Any, rule: Rule) -> Any:
 
 @dataclass
 class VitLsConfig:
+    # The family the model is (`families`): its record says what it allows and which formats hold it
+    family: str = knob("dinov3", FAMILY)
     # Input and tokens
     img_size: int | tuple[int, int] = knob(224, SIZE)
     patch_size: int = knob(16, int_in(1, MAX_PATCH))
@@ -199,6 +208,9 @@ class VitLsConfig:
     def __post_init__(self) -> None:
         self.validate()
         self.layer_init_values = resolve_init_values(self.init_values, self.depth)
+        problem = family_problem(self)  # after the rules: the record reads resolved values
+        if problem:
+            raise ValueError(problem)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -419,41 +431,3 @@ def resolve_init_values(value: Any, depth: int) -> list[BranchInit]:
             )
         return [_resolve_branches(v, depth, f"init_values[{i}]") for i, v in enumerate(value)]
     return [_resolve_branches(value, depth, "init_values")] * depth
-
-
-# ------------------------------------------------------------------------------------ feature blocks by name
-
-# Meta's names for the blocks a dense head reads (dinov3/eval/segmentation/models/__init__.py,
-# BackboneLayersSet): LAST for the linear and depth heads, FOUR_LAST, and FOUR_EVEN_INTERVALS for Mask2Former.
-FEATURE_LAYER_NAMES = {
-    "last": "last",
-    "last_four": "last_four",
-    "four_last": "last_four",
-    "four_even": "four_even",
-    "four_even_intervals": "four_even",
-}
-PAPER_FOUR_EVEN = {24: [4, 11, 17, 23]}  # Meta keeps the paper's ViT-L blocks for 24, not 5, 11, 17, 23
-
-
-def feature_layers(indices: Any, depth: int) -> Any:
-    """Block indices for a name (Meta's spelling or ours, any case), anything else as it is.
-
-    `last`: the last block. `last_four` (`four_last`): the last four, in order. `four_even`
-    (`four_even_intervals`): Meta's `i * (depth // 4) - 1` for i = 1..4 (2, 5, 8, 11 of 12 blocks; 9, 19, 29,
-    39 of 40), except 24 blocks, which get the paper's 4, 11, 17, 23. Under 4 blocks both four-block names
-    give every block, in order (Meta's formula would name block -1 four times).
-    """
-    if not isinstance(indices, str):
-        return indices
-    name = FEATURE_LAYER_NAMES.get(indices.strip().lower())
-    if name is None:
-        raise ValueError(
-            f"feature blocks: got {indices!r}; allowed: block indices or one of {', '.join(FEATURE_LAYER_NAMES)}"
-        )
-    if name == "last":
-        return [depth - 1]
-    if depth < 4:
-        return list(range(depth))
-    if name == "last_four":
-        return list(range(depth - 4, depth))
-    return PAPER_FOUR_EVEN.get(depth, [i * (depth // 4) - 1 for i in range(1, 5)])

@@ -24,6 +24,8 @@ LAYERS = (
     ("timm_ls.interrupts", -1),
     ("timm_ls.plain_yaml", -1),
     ("timm_ls.image_folder", -1),
+    ("families", 0),  # the family records: below config, which records a family and is checked by its record
+    ("feature_blocks", 0),
     ("config", 0),
     ("layers", 1),
     ("checkpoints.errors", 2.0),
