@@ -165,7 +165,7 @@ _DINOV3_FORMATS = {
     "timm": Holding({**_DINOV3_LAYOUT, **_EVA_DINOV3}, ROPE_FP32, "dinov3"),
 }
 
-DINOV3 = register_family(FamilyRecord("dinov3", "DINOv3 (and EUPE)", _DINOV3_FORMATS))
+DINOV3 = register_family(FamilyRecord("dinov3", "DINOv3, EUPE", _DINOV3_FORMATS))
 LINGBOT = register_family(FamilyRecord("lingbot", "LingBot-Vision", _DINOV3_FORMATS, layout="dinov3"))
 SAPIENS2 = register_family(
     FamilyRecord(
