@@ -117,6 +117,11 @@ def register_family(record: FamilyRecord) -> FamilyRecord:
     return record
 
 
+def either(names: list[str]) -> str:
+    """Names as a refusal offers them: "a", "a or b", "a, b or c"."""
+    return " or ".join(n for n in (", ".join(names[:-1]), names[-1] if names else "") if n)
+
+
 def family_record(name: str) -> FamilyRecord:
     record = FAMILIES.get(name)
     if record is None:

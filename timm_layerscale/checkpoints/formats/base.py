@@ -20,7 +20,7 @@ from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
 from ...config import FFN_RATIO, MAX_RATIO, MAX_WIDTH, Rule, VitLsConfig, int_in, shown
-from ...families import ROPE_FP32, ROPE_KEPT, Holding, family_record
+from ...families import ROPE_FP32, ROPE_KEPT, Holding, either, family_record
 from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name, native_gamma_key
@@ -99,7 +99,7 @@ class Format:
         and the formats that can hold the model (from the record)."""
         record = family_record(config.family)
         held = record.formats.get(self.name)
-        instead = " or ".join(record.holders(config)) or "native"
+        instead = either(record.holders(config)) or "native"
         if held is None:
             raise CheckpointError(
                 f"{self.title} cannot hold a {record.name} model ({record.title}); convert --to {instead} instead"
@@ -132,7 +132,7 @@ class Format:
         it would drop that carries weights (what it fixes of the family is `holding`'s)."""
         dropped = [g for g in unheld_groups(list(unheld)) if g not in self.may_drop]
         if dropped:
-            instead = " or ".join(f for f in family_record(config.family).holders(config) if f != self.name)
+            instead = either([f for f in family_record(config.family).holders(config) if f != self.name])
             shown_groups = ", ".join(dropped[:6]) + (f" (+{len(dropped) - 6})" if len(dropped) > 6 else "")
             raise CheckpointError(
                 f"{self.title} have no place for this model's {shown_groups}: --to {self.name} cannot hold it in "
@@ -234,7 +234,7 @@ def write_fields(fields: Sequence[ConfigField], config: VitLsConfig) -> dict[str
 def bf16_rope_targets(config: VitLsConfig) -> str:
     """The targets that keep a bf16-RoPE model's own RoPE, for the rule's line to name (from its record)."""
     held = family_record(config.family).formats.items()
-    return " or ".join(name for name, holding in held if holding.rope == ROPE_KEPT) or "native"
+    return either([name for name, holding in held if holding.rope == ROPE_KEPT]) or "native"
 
 
 def gamma_branches(config: VitLsConfig) -> tuple[int, ...]:
