@@ -90,9 +90,8 @@ class FamilyRecord:
             value = getattr(config, name)
             if value not in allowed:
                 shown = " or ".join(repr(v) for v in allowed)
-                named = f"{name} (set by {SET_BY[name]})" if name in SET_BY else name
-                return f"{named}: got {value!r}; a {self.name} model has {shown}"
-        for branch, index in zip(BRANCH_NAMES, range(2)):
+                return f"{named(name)}: got {value!r}; a {self.name} model has {shown}"
+        for index, branch in enumerate(BRANCH_NAMES):
             if branch not in self.layer_scale and any(pair[index] is not None for pair in config.layer_init_values):
                 off = ", ".join(f"{b}: off" for b in BRANCH_NAMES if b not in self.layer_scale)
                 return (
@@ -107,6 +106,11 @@ class FamilyRecord:
 
 
 FAMILIES: dict[str, FamilyRecord] = {}
+
+
+def named(name: str) -> str:
+    """A config field as an error line names it: a value read from the config, with the field that sets it."""
+    return f"{name} (set by {SET_BY[name]})" if name in SET_BY else name
 
 
 def register_family(record: FamilyRecord) -> FamilyRecord:

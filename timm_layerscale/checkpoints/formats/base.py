@@ -20,7 +20,7 @@ from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
 from ...config import FFN_RATIO, MAX_RATIO, MAX_WIDTH, Rule, VitLsConfig, int_in, shown
-from ...families import ROPE_FP32, ROPE_KEPT, Holding, either, family_record
+from ...families import ROPE_FP32, ROPE_KEPT, Holding, either, family_record, named
 from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name, native_gamma_key
@@ -106,7 +106,7 @@ class Format:
             )
         for name, fixed, value in held.differences(config)[:1]:
             raise CheckpointError(
-                f"{self.title} fix {name}={fixed!r} for a {record.name} model, this model has {name}={value!r}: "
+                f"{self.title} fix {named(name)}={fixed!r} for a {record.name} model, this model has {value!r}: "
                 f"--to {self.name} cannot hold it; convert --to {instead} instead"
             )
         return held
