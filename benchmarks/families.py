@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from transformers import Sapiens2Config, Sapiens2Model
 
-from timm_layerscale.checkpoints.formats.base import family
 from timm_layerscale.checkpoints.formats.hf import HF as HF_FORMAT
 from timm_layerscale.checkpoints.formats.hf import transformers_config
 from timm_layerscale.checkpoints.formats.timm import TIMM
+from timm_layerscale.families import family_record
 
 from .common import (
     EVA,
@@ -55,7 +55,7 @@ def build(name: str) -> dict[str, nn.Module]:
     ours = timm.create_model(variant, num_classes=0, img_size=size, rope_dtype="fp32", rope_periods_bf16=False)
     randomise_(ours)
     config, native = ours.config, ours.state_dict()
-    layout = family(config)
+    layout = family_record(config.family).layout
     eva = timm.create_model(eva_name, pretrained=False, global_pool="token", num_classes=0, img_size=size)
     eva_state, _ = TIMM.table.from_native(native, layout=layout, qkv_bias=True, dim=config.embed_dim)
     load_exact(eva, dict(eva_state.items()))

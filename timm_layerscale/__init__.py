@@ -16,6 +16,7 @@ from .checkpoints import (
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .convert import convert_checkpoint
 from .export import export_onnx
+from .families import FAMILIES, FamilyRecord, Holding, register_family
 from .fold import fold_layer_scale
 from .fsdp import shard_model
 from .hub import HubError, fetch_hub_weights, hub_weights
@@ -25,10 +26,13 @@ from .variants import VARIANTS, config_dir, register_builtin_variants, register_
 
 __version__ = "0.2.0"
 __all__ = [
+    "FAMILIES",
     "FORMATS",
     "VARIANTS",
     "CheckpointError",
+    "FamilyRecord",
     "Format",
+    "Holding",
     "HubError",
     "UnknownConfigKeyError",
     "VisionTransformerLS",
@@ -44,6 +48,7 @@ __all__ = [
     "hub_weights",
     "open_checkpoint",
     "push_to_hub",
+    "register_family",
     "register_format",
     "register_variant",
     "rename_layer_scale",

@@ -18,6 +18,8 @@ from timm_ls.layer_sets import FEATURE_LAYER_NAMES as FEATURE_LAYER_NAMES
 from timm_ls.layer_sets import feature_layers as feature_layers
 from timm_ls.plain_yaml import load_text
 
+from .families import family_problem, is_family
+
 FFN_LAYERS = ("mlp", "swiglu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
 ROPE_DTYPES = ("fp32", "bf16")
@@ -129,6 +131,9 @@ KV_HEADS = Rule(
 )
 
 
+FAMILY = Rule(is_family, "a registered family: dinov3, lingbot, sapiens2, or one added by register_family")
+
+
 def one_of(choices: tuple[str, ...]) -> Rule:
     return Rule(lambda v: v in choices, f"one of {choices}")
 
@@ -140,6 +145,8 @@ def knob(default: Any, rule: Rule) -> Any:
 
 @dataclass
 class VitLsConfig:
+    # The family the model is (`families`): its record says what it allows and which formats hold it
+    family: str = knob("dinov3", FAMILY)
     # Input and tokens
     img_size: int | tuple[int, int] = knob(224, SIZE)
     patch_size: int = knob(16, int_in(1, MAX_PATCH))
@@ -202,6 +209,9 @@ class VitLsConfig:
     def __post_init__(self) -> None:
         self.validate()
         self.layer_init_values = resolve_init_values(self.init_values, self.depth)
+        problem = family_problem(self)  # after the rules: the record reads resolved values
+        if problem:
+            raise ValueError(problem)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

@@ -27,13 +27,13 @@ from timm_ls.names import is_variant_file
 
 from .checkpoints.errors import CheckpointError
 from .checkpoints.formats import CONFIG_FILE, Format, SourceConfig, recognise, source_config
-from .checkpoints.formats.base import family, layout_family
 from .checkpoints.mapping.fit import checked_periods, fillable
 from .checkpoints.mapping.gamma_keys import native_gamma_key
 from .checkpoints.mapping.keys import block_count
 from .checkpoints.mapping.plan import PERIODS, Plan, TensorInfo
 from .checkpoints.read.reader import LazyCheckpoint
 from .config import VitLsConfig, resolve_init_values
+from .families import family_record, layout_of_keys
 from .model import VisionTransformerLS
 from .variants import VARIANTS, Variant, VariantNameError, builtin_architecture, find_variant, load_variant
 
@@ -225,7 +225,9 @@ def _config(
     variant: Variant, tag: str | None, weights: _Weights, overrides: Mapping[str, Any], source: str = ""
 ) -> VitLsConfig:
     base = {**variant.model_args, **variant.tag_model_args(tag)}
-    args = {**base, **key_args(weights.native, base, weights.unheld), **overrides}
+    record = family_record(overrides.get("family") or base.get("family") or VitLsConfig.default("family"))
+    keyed = {k: v for k, v in key_args(weights.native, base, weights.unheld).items() if k in record.keyed}
+    args = {**base, **keyed, **overrides}
     kv = args.get("num_kv_heads")
     if isinstance(kv, list) and len(kv) != args.get("depth", VitLsConfig.default("depth")):
         args["num_kv_heads"] = overrides.get("num_kv_heads", base.get("num_kv_heads"))  # another depth: its shapes
@@ -241,9 +243,8 @@ def _nearest(variants: Mapping[str, Variant], weights: _Weights, asked: Mapping[
     weights without them, so the arguments complete the variant the weights are and do not pick another."""
     infos = {k: weights.native.info(k) for k in weights.native}
     ranks, refusals = {}, []
-    keyed = key_args(weights.native, {}, weights.unheld)
-    kin = layout_family(keyed["norm_layer"], keyed["qk_norm"], "num_kv_heads" in keyed)
-    variants = {n: v for n, v in variants.items() if family(v.config) == kin} or variants
+    layout = layout_of_keys(weights.native)  # the records' own rule: only variants of that layout are ranked
+    variants = {n: v for n, v in variants.items() if family_record(v.config.family).layout == layout} or variants
     for name, variant in variants.items():
         try:
             config = _config(variant, None, weights, asked, source="the model args")

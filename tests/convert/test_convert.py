@@ -44,12 +44,12 @@ from timm_layerscale import (
     rename_layer_scale,
 )
 from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo, open_checkpoint
-from timm_layerscale.checkpoints.formats.base import family
 from timm_layerscale.checkpoints.formats.hf import HF
 from timm_layerscale.checkpoints.formats.meta import META
 from timm_layerscale.checkpoints.formats.sapiens2 import SAPIENS2
 from timm_layerscale.checkpoints.formats.timm import TIMM
 from timm_layerscale.checkpoints.mapping.gamma_keys import GAMMA_SPELLINGS
+from timm_layerscale.families import family_record
 from timm_layerscale.identity import expected_state, identify
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
@@ -308,12 +308,13 @@ def test_variant_is_inferred_from_the_shapes(name, layout):
     """Released shapes (the 7B and 5B too) on the meta device, in each layout of its family: the variant
     comes back, and a Sapiens2 is never named a DINOv3 variant nor the reverse."""
     config = VARIANTS[name].config.replace(num_classes=0)
-    if (layout is SAPIENS2) != (family(config) == "sapiens2") and layout is not HF and layout is not TIMM:
+    family = family_record(config.family).layout
+    if (layout is SAPIENS2) != (family == "sapiens2") and layout is not HF and layout is not TIMM:
         pytest.skip("a layout of the other family")
     state = dict(expected_state(config))
     state["rope_embed.periods"] = torch.ones(state["rope_embed.periods"].shape)  # the one value inference reads
     if layout is not META:
-        options = dict(qkv_bias=True, dim=config.embed_dim, layout=family(config), k_bias=family(config) == "sapiens2")
+        options = dict(qkv_bias=True, dim=config.embed_dim, layout=family, k_bias=family == "sapiens2")
         state = dict(layout.table.from_native(state, **options)[0].items())
     probe = LazyCheckpoint(
         Path("probe"),

@@ -17,6 +17,7 @@ from transformers import Sapiens2Model
 
 from timm_layerscale.checkpoints.formats import FORMATS
 from timm_layerscale.convert import rope_measure_images
+from timm_layerscale.families import FAMILIES, ROPE_FP32
 from timm_ls.main import main
 
 SAPIENS2 = "vit_ls_base_patch16_sapiens2"
@@ -67,7 +68,8 @@ def convert(tmp_path, capsys, to: str, *extra: str, family: str | None = None):
 
 def test_every_format_is_classified():
     assert set(TARGETS) == set(FORMATS), "classify a new format's RoPE in TARGETS"
-    assert {name for name, (fp32, _) in TARGETS.items() if fp32} == {f.name for f in FORMATS.values() if f.rope_in_fp32}
+    in_fp32 = {name for record in FAMILIES.values() for name, held in record.formats.items() if held.rope == ROPE_FP32}
+    assert {name for name, (fp32, _) in TARGETS.items() if fp32} == in_fp32
 
 
 @pytest.mark.parametrize("to", [name for name, (fp32, _) in TARGETS.items() if fp32])

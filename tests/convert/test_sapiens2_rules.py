@@ -14,6 +14,7 @@ import timm
 import torch
 from safetensors.torch import load_file, save_file
 from support import FIXTURES, assert_fp32_close, move_off_init_, relative_diff
+from support.families import EVA_HAS_FAMILIES
 from transformers import AutoModel, Sapiens2Config, Sapiens2Model
 
 from timm_layerscale import convert_checkpoint
@@ -175,23 +176,43 @@ def test_a_zero_k_bias_is_written_for_sapiens2model(tmp_path):
     assert_fp32_close(transformers_outputs(loaded_by_transformers(tmp_path / "hf")), model.forward_features(IMAGES))
 
 
-@pytest.mark.parametrize(("to", "name"), [("hf", "hf"), ("sapiens2", "own.safetensors")])
-def test_layer_scale_on_the_mlp_branch_is_refused_by_both_sapiens2_layouts(to, name, tmp_path):
-    """Neither Sapiens2Model nor Sapiens2's own code has LayerScale on the MLP branch: one line naming the fix,
-    exit 2, nothing written; folded (--fuse-layerscale), the same model is written and gives its outputs."""
-    model = our_sapiens2(init_values={"attn": 1.0, "mlp": 1.0})
+def test_a_sapiens2_variant_with_layer_scale_on_the_mlp_branch_is_refused_when_built():
+    """Sapiens2 has LayerScale on the attention branch only (its family record): a Sapiens2 variant given it on
+    the MLP branch too is no Sapiens2, refused in one line naming the fix and the family that holds it."""
+    with pytest.raises(ValueError) as refused:
+        our_sapiens2(init_values={"attn": 1.0, "mlp": 1.0})
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("family=sapiens2: init_values: LayerScale on the mlp branch"), line
+    assert "mlp: off" in line and "family=dinov3" in line, line
+
+
+@pytest.mark.parametrize(("to", "name"), [("hf", "hf"), ("sapiens2", "own.safetensors"), ("timm", "eva")])
+def test_a_sapiens2_shape_with_mlp_layer_scale_is_held_by_no_sapiens2_layout_until_folded(to, name, tmp_path):
+    """The same model as the family that holds it (dinov3): no Sapiens2 layout holds it (Sapiens2Model, Sapiens2's
+    own code, eva's Sapiens2 have no MLP LayerScale): one line, exit 2, nothing written (`--to timm` once wrote a
+    folder timm refused, `Unexpected key(s): blocks.0.gamma_2`). Folded and named a Sapiens2, it is written and
+    its own library gives its outputs."""
+    if to == "timm" and not EVA_HAS_FAMILIES:
+        pytest.skip("this timm's eva has no Sapiens2 (1.0.31 has)")
+    model = our_sapiens2(init_values={"attn": 1.0, "mlp": 1.0}, family="dinov3")
     save_native(model, tmp_path / "src")
     code, out, err = cli("convert", str(tmp_path / "src"), str(tmp_path / name), "--to", to)
     assert code == 2 and out == "", out
-    assert len(err.strip().splitlines()) == 1 and "MLP branch" in err and "--fuse-layerscale" in err, err
+    assert len(err.strip().splitlines()) == 1 and "a dinov3 model" in err and "convert --to native" in err, err
     assert not (tmp_path / name).exists()
 
-    code, _, err = cli("convert", str(tmp_path / "src"), str(tmp_path / name), "--to", to, "--fuse-layerscale")
+    folded = ("--fuse-layerscale", "--model-kwargs", "family=sapiens2")
+    code, _, err = cli("convert", str(tmp_path / "src"), str(tmp_path / name), "--to", to, *folded)
     assert code == 0, err
     with torch.no_grad():
         expected = model.forward_features(IMAGES)
         if to == "hf":
             assert_fp32_close(transformers_outputs(loaded_by_transformers(tmp_path / name)), expected)
+            return
+        if to == "timm":
+            eva = timm.create_model(f"local-dir:{tmp_path / name}", pretrained=True).eval()
+            assert type(eva).__name__ == "Eva" and not any("gamma_2" in k for k in eva.state_dict())
+            assert_fp32_close(eva.forward_features(IMAGES), expected)
             return
         assert not any(".ls2." in k or "ffn.gamma" in k for k in load_file(tmp_path / name))
         convert_checkpoint(tmp_path / name, tmp_path / "back", to="native", model=SAPIENS2_VARIANT, model_kwargs=OURS)

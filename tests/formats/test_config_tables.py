@@ -124,7 +124,7 @@ def test_native_config_round_trip_keeps_every_field():
     values.update(use_naflex=False, patchify_channels_last=False, enable_patch_interpolator=False)
     values.update(dynamic_img_size=False, dynamic_img_pad=True, drop_rate=0.25, proj_drop_rate=0.375)
     values.update(attn_drop_rate=0.0625, stochastic_depth="sample_drop", strict_layer_scale=True)
-    values.update(mask_token=False, norm_layer="rmsnorm", num_kv_heads=[6, 3, 2], qk_norm=True)
+    values.update(mask_token=False, norm_layer="rmsnorm", num_kv_heads=[6, 3, 2], qk_norm=True, family="lingbot")
     config = VitLsConfig(**values)
     back = NATIVE.read_config(native_config(config, SMALL, {})).args
     assert back == config.rebuild_args()

@@ -115,6 +115,9 @@ def test_bad_init_values_name_key_value_and_allowed(value, message):
         ({"rope_rescale_coords": 0.5}, "rope_rescale_coords: got 0.5"),
         ({"freeze_layer_scale": "sometimes"}, "freeze_layer_scale: got 'sometimes'; allowed: true or false"),
         ({"reinit_layer_scale": 2}, "reinit_layer_scale: got 2; allowed: true or false"),
+        # The family: a registered one, whose record the config is checked against
+        ({"family": "dinov2"}, "family: got 'dinov2'; allowed: a registered family: dinov3, lingbot, sapiens2"),
+        ({"family": "sapiens2"}, "family=sapiens2: norm_layer: got 'layernorm'; a sapiens2 model has 'rmsnorm'"),
     ],
 )
 def test_bad_config_values(overrides, message):
@@ -124,7 +127,7 @@ def test_bad_config_values(overrides, message):
 
 
 def test_unknown_config_key_is_named():
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'layerscale'; allowed: img_size"):
+    with pytest.raises(ValueError, match=r"unknown config key\(s\) 'layerscale'; allowed: family, img_size"):
         timm.create_model("vit_ls_small_patch16_dinov3", layerscale=1e-6)
 
 

@@ -20,6 +20,7 @@ from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
 from ...config import FFN_RATIO, MAX_RATIO, MAX_WIDTH, Rule, VitLsConfig, int_in, shown
+from ...families import ROPE_FP32, ROPE_KEPT, Holding, either, family_record, named
 from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name, native_gamma_key
@@ -88,20 +89,33 @@ class Format:
     # Model args its files have no place for, so a key they lack says nothing of the model (`identity.key_args`).
     unheld_args: frozenset[str] = frozenset()
     # What it can hold, in one place (`check_holds`): the native key groups it may leave out (each named in the
-    # summary; any other group it has no key for carries weights, and is refused), and the config values its
-    # files or its code fix, by layout family.
+    # summary; any other group it has no key for carries weights, and is refused). Which families it holds, the
+    # config values it fixes for each and what its code does with RoPE are the family records' (`families`).
     may_drop: frozenset[str] = frozenset()
-    fixes: Mapping[str, Mapping[str, Any]] = {}
-    instead = "native"  # the formats a refusal suggests
-    # Whether the code that builds this format's model computes RoPE in fp32 whatever the model computes it in
-    # (transformers', timm's eva, Meta's hub builders): a bf16-RoPE model is written, its outputs moved (`rope_rule`).
-    rope_in_fp32 = False
-    rope_code = ""  # that code, as the rule's line names it
+    rope_code = ""  # the code that builds this format's model, as the RoPE rule's line names it
+
+    def holding(self, config: VitLsConfig) -> Holding:
+        """What this format holds of the config's family (its record's), or one error line naming what it lacks
+        and the formats that can hold the model (from the record)."""
+        record = family_record(config.family)
+        held = record.formats.get(self.name)
+        instead = either(record.holders(config)) or "native"
+        if held is None:
+            raise CheckpointError(
+                f"{self.title} cannot hold a {record.name} model ({record.title}); convert --to {instead} instead"
+            )
+        for name, fixed, value in held.differences(config)[:1]:
+            raise CheckpointError(
+                f"{self.title} fix {named(name)}={fixed!r} for a {record.name} model, this model has {value!r}: "
+                f"--to {self.name} cannot hold it; convert --to {instead} instead"
+            )
+        return held
 
     def rope_rule(self, config: VitLsConfig) -> str | None:
         """The one rule for a target computing RoPE otherwise than the model: what to say of it (a warning,
         refused with --strict), before the figure of how far the outputs move; None where RoPE is kept."""
-        if not (self.rope_in_fp32 and config.rope_dtype == "bf16"):
+        held = family_record(config.family).formats.get(self.name)
+        if held is None or held.rope != ROPE_FP32 or config.rope_dtype != "bf16":
             return None
         return (
             f"RoPE is computed in fp32 by {self.rope_code} and in bf16 by this model (rope_dtype=bf16): --to "
@@ -115,20 +129,15 @@ class Format:
 
     def check_holds(self, config: VitLsConfig, unheld: Sequence[str]) -> None:
         """One error line, before anything is written, for a model this format cannot hold in full: a key group
-        it would drop that carries weights, or a config value it fixes otherwise."""
+        it would drop that carries weights (what it fixes of the family is `holding`'s)."""
         dropped = [g for g in unheld_groups(list(unheld)) if g not in self.may_drop]
         if dropped:
+            instead = either([f for f in family_record(config.family).holders(config) if f != self.name])
             shown_groups = ", ".join(dropped[:6]) + (f" (+{len(dropped) - 6})" if len(dropped) > 6 else "")
             raise CheckpointError(
                 f"{self.title} have no place for this model's {shown_groups}: --to {self.name} cannot hold it in "
-                f"full; convert --to {self.instead} instead"
+                f"full; convert --to {instead or 'native'} instead"
             )
-        for name, fixed in self.fixes.get(family(config), {}).items():
-            if getattr(config, name) != fixed:
-                raise CheckpointError(
-                    f"{self.title} fix {name}={fixed!r}, this model has {name}={getattr(config, name)!r}: --to "
-                    f"{self.name} cannot hold it; convert --to {self.instead} instead"
-                )
 
     @property
     def name(self) -> str:
@@ -222,26 +231,15 @@ def write_fields(fields: Sequence[ConfigField], config: VitLsConfig) -> dict[str
     return {f.theirs: f.write(config) if f.write else getattr(config, f.ours) for f in fields}
 
 
-def layout_family(norm_layer: str, qk_norm: bool, grouped: bool) -> str:
-    """The family whose layout these make: "sapiens2" (RMSNorm, qk-norm, grouped k/v) or "dinov3" (DINOv3's,
-    which EUPE and LingBot-Vision share)."""
-    return "sapiens2" if norm_layer == "rmsnorm" or qk_norm or grouped else "dinov3"
-
-
-def family(config: VitLsConfig) -> str:
-    """The family whose layout a model has (`layout_family`)."""
-    return layout_family(config.norm_layer, config.qk_norm, config.grouped_attention)
-
-
 def bf16_rope_targets(config: VitLsConfig) -> str:
-    """The targets that keep a bf16-RoPE model's own RoPE, for the rule's line to name."""
-    return "native or sapiens2" if family(config) == "sapiens2" else "native"
+    """The targets that keep a bf16-RoPE model's own RoPE, for the rule's line to name (from its record)."""
+    held = family_record(config.family).formats.items()
+    return either([name for name, holding in held if holding.rope == ROPE_KEPT]) or "native"
 
 
-def refuse_family(config: VitLsConfig, holds: str, what: str, instead: str) -> None:
-    """One error line when a format holding only the `holds` family is asked to write another."""
-    if family(config) != holds:
-        raise CheckpointError(f"{what} cannot hold a {family(config)} model; convert --to {instead} instead")
+def gamma_branches(config: VitLsConfig) -> tuple[int, ...]:
+    """The branches where the config's family's layouts have LayerScale (Sapiens2's: attention only)."""
+    return family_record(config.family).gamma_branches()
 
 
 def hidden_features(config: VitLsConfig) -> int:

@@ -18,8 +18,9 @@ import torch
 from timm_ls.names import HF_SPEC
 
 from ...config import HEADS_PER_BLOCK, MAX_DEPTH, MAX_HEADS, SWITCH, Rule, VitLsConfig, int_in, shown
+from ...families import SAPIENS2 as SAPIENS2_FAMILY
+from ...families import Holding, family_record
 from ...layers import effective_qkv_bias, split_qkv
-from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
 from ..mapping.plan import PERIODS
@@ -32,9 +33,9 @@ from .base import (
     Job,
     SourceConfig,
     WritePlan,
-    family,
     ffn_args,
     fuse,
+    gamma_branches,
     hidden_features,
     k_bias_blocks,
     not_held_report,
@@ -170,7 +171,12 @@ SAPIENS2_FIELDS = (
         rule=KV_HEADS_PER_LAYER,
     ),
 )
-SAPIENS2_FIXED = {"norm_layer": "rmsnorm", "ffn_layer": "swiglu", "mask_k_bias": False}
+# What a Sapiens2Config stands for beside its fields: its family's switches and what Sapiens2Model fixes.
+SAPIENS2_FIXED = {
+    "family": SAPIENS2_FAMILY.name,
+    **{name: allowed[0] for name, allowed in SAPIENS2_FAMILY.switches.items() if len(allowed) == 1},
+    **SAPIENS2_FAMILY.formats["hf"].fixes,
+}
 
 
 # transformers' Sapiens2Config fields for its default k/v pattern, read only where no per-layer list is given.
@@ -196,15 +202,15 @@ def _sapiens2_args(cfg: Mapping[str, Any], where: str = CONFIG_FILE) -> dict[str
     return args
 
 
+def hf_layout(config: VitLsConfig) -> str:
+    """The layout transformers holds the config's family in, by its record (DINOv3ViTModel's where it has none)."""
+    held = family_record(config.family).formats.get(HF_SPEC.name, Holding(layout="dinov3"))
+    return held.layout
+
+
 def sapiens2_config(config: VitLsConfig, dtype: torch.dtype) -> dict[str, Any]:
     """transformers' config.json for Sapiens2Model, every field named (the k/v heads per block too: its
     default of 8 grouped heads is wrong for the 1B and the 5B)."""
-    for name, fixed in SAPIENS2_FIXED.items():
-        if getattr(config, name) != fixed:
-            raise CheckpointError(
-                f"transformers' Sapiens2Model fixes {name}={fixed!r}, this model has {name}={getattr(config, name)!r}; "
-                f"convert --to native instead"
-            )
     return {
         "architectures": ["Sapiens2Model"],
         "model_type": "sapiens2",
@@ -214,14 +220,10 @@ def sapiens2_config(config: VitLsConfig, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def transformers_config(config: VitLsConfig, k_bias: bool, dtype: torch.dtype) -> dict[str, Any]:
-    """transformers' config.json for the model of the weights' family: DINOv3ViTModel or Sapiens2Model."""
-    if family(config) == "sapiens2":
+    """transformers' config.json for the model of the family's layout (its record's): DINOv3ViTModel or
+    Sapiens2Model."""
+    if hf_layout(config) == "sapiens2":
         return sapiens2_config(config, dtype)
-    if config.rope_normalize_coords != "separate":
-        raise CheckpointError(
-            f"transformers' DINOv3ViTModel normalises RoPE coordinates per side ('separate'), this model uses "
-            f"{config.rope_normalize_coords!r}; convert --to native or meta instead"
-        )
     fields = write_fields(CONFIG_FIELDS, config)
     return {
         "architectures": ["DINOv3ViTModel"],
@@ -238,9 +240,6 @@ class HuggingFace(Format):
     table = TABLE
     unheld_args = frozenset({"local_cls_norm"})  # DINOv3ViTModel has no local-crop norm
     may_drop = frozenset({PERIODS, "local_cls_norm", "head"})
-    fixes = {"sapiens2": {"rope_normalize_coords": "separate"}}  # Sapiens2Config has no field for it
-    instead = "native"
-    rope_in_fp32 = True
     rope_code = "transformers"
 
     def recognise(self, keys: Sequence[str]) -> bool:
@@ -260,14 +259,8 @@ class HuggingFace(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         config = job.config
-        sapiens2 = family(config) == "sapiens2"
-        if sapiens2 and any(mlp is not None for _, mlp in config.layer_init_values):
-            raise CheckpointError(
-                "transformers' Sapiens2Model has no LayerScale on the MLP branch and this model has: fold it "
-                "first (--fuse-layerscale), or convert --to native"
-            )
-        branches = (1,) if sapiens2 else (1, 2)
-        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
+        sapiens2 = self.holding(config).layout == "sapiens2"  # Sapiens2Model: a k bias in every block
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, gamma_branches(config))
         k_bias = sapiens2 or bool(k_bias_blocks(full, config))
         out, unheld = self.table.from_native(full, k_bias=k_bias, dim=config.embed_dim)
         self.check_holds(config, unheld)

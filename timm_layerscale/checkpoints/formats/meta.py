@@ -18,9 +18,9 @@ from .base import (
     Format,
     Job,
     WritePlan,
+    gamma_branches,
     native_keys,
     not_held_report,
-    refuse_family,
     with_all_gammas,
 )
 
@@ -30,8 +30,6 @@ class Meta(Format):
     title = META_TITLE
     table = META_TABLE
     may_drop = frozenset({"head"})  # Meta's backbones have no classifier
-    instead = "native, hf or timm"
-    rope_in_fp32 = True
     rope_code = "Meta's hub builders"
 
     def recognise(self, keys: Sequence[str]) -> bool:
@@ -39,8 +37,9 @@ class Meta(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         config = job.config
-        refuse_family(config, "dinov3", "Meta's DINOv3 code", "sapiens2, native, hf or timm")
-        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype)
+        self.holding(config)
+        branches = gamma_branches(config)
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
         out, unheld = self.table.from_native(full)
         self.check_holds(config, unheld)
         not_held, warnings = not_held_report(unheld, self.name)

@@ -44,8 +44,8 @@ from .base import (
     Format,
     Job,
     WritePlan,
+    gamma_branches,
     not_held_report,
-    refuse_family,
     with_all_gammas,
 )
 
@@ -198,9 +198,10 @@ META_ARCHS = {
     "vit_giant2": (1536, 40, 24, 4.0),
     "vit_7b": (4096, 40, 32, 3.0),
 }
-# `student.ffn_layer` for a SwiGLU by the multiple its hidden size is rounded up to; and `norm_layer` by its eps.
+# `student.ffn_layer` for a SwiGLU by the multiple its hidden size is rounded up to; and `norm_layer` by our norm and
+# its eps (Meta's norm_layer_dict: two LayerNorms, and an RMSNorm of eps 1e-5).
 META_SWIGLU = {8: "swiglu", 32: "swiglu32", 64: "swiglu64", 128: "swiglu128"}
-META_NORMS = {1e-5: "layernormbf16", 1e-6: "layernorm"}
+META_NORMS = {"layernorm": {1e-5: "layernormbf16", 1e-6: "layernorm"}, "rmsnorm": {1e-5: "rmsnorm"}}
 # The RoPE coordinate rescaling Meta pretrained every released backbone with (its hub builders and its
 # training configs), a training-time augmentation, printed where a backbone's config sets none.
 META_RESCALE_COORDS = 2
@@ -217,14 +218,10 @@ def rope_dtype_line(config: VitLsConfig) -> str:
     )
 
 
-def _shape(config: VitLsConfig) -> tuple[int, int, int, float]:
-    return config.embed_dim, config.depth, config.num_heads, float(config.ffn_ratio)
-
-
 def _arch(config: VitLsConfig) -> tuple[str, list[str]]:
     """Meta's `arch` for this model's shape, or the nearest one, with one comment line saying why Meta's
     config cannot express the shape (no key of `student:` overrides what `arch` fixes)."""
-    shape = _shape(config)
+    shape = (config.embed_dim, config.depth, config.num_heads, float(config.ffn_ratio))
     named = next((arch for arch, dims in META_ARCHS.items() if _same_shape(dims, shape)), None)
     if named:
         return named, []
@@ -269,8 +266,10 @@ def student_lines(config: VitLsConfig, path: str, layer_scale: bool, bias_mask: 
     arch, arch_note = _arch(config)
     ffn_layer, ffn_note = _ffn_layer(config)
     rescale, rescale_note = _rescale_coords(config)
-    norm = META_NORMS.get(config.norm_eps)
-    norm_note = [] if norm else [f"  # Meta's norms have eps 1e-5 or 1e-6, this backbone's {config.norm_eps:g}"]
+    norms = META_NORMS[config.norm_layer]
+    norm = norms.get(config.norm_eps)
+    eps = " or ".join(f"{e:g}" for e in norms)
+    norm_note = [] if norm else [f"  # Meta's {config.norm_layer} has eps {eps}, this backbone's {config.norm_eps:g}"]
     layerscale = f"{config.layer_init_values[0][0] or 1e-5:.1e}" if layer_scale else "null"
     values = {
         "resume_from_teacher_chkpt": path,
@@ -279,15 +278,15 @@ def student_lines(config: VitLsConfig, path: str, layer_scale: bool, bias_mask: 
         "ffn_layer": ffn_layer,
         "ffn_ratio": f"{config.ffn_ratio:g}  # read from arch, not from here",
         "layerscale": layerscale,
-        "norm_layer": norm or "layernormbf16",
+        "norm_layer": norm or next(iter(norms.values())),
         "n_storage_tokens": config.num_storage_tokens,
-        "qkv_bias": _yaml_bool(config.qkv_bias),
-        "proj_bias": _yaml_bool(config.proj_bias),
-        "ffn_bias": _yaml_bool(config.ffn_bias),
+        "qkv_bias": _yaml_value(config.qkv_bias),
+        "proj_bias": _yaml_value(config.proj_bias),
+        "ffn_bias": _yaml_value(config.ffn_bias),
         # Without a qkv bias the mask is moot; the released 7B's config says true, as ours does by default.
-        "mask_k_bias": _yaml_bool(bias_mask or (not config.qkv_bias and config.mask_k_bias)),
-        "untie_cls_and_patch_norms": _yaml_bool(config.cls_norm),
-        "untie_global_and_local_cls_norm": _yaml_bool(config.local_cls_norm),
+        "mask_k_bias": _yaml_value(bias_mask or (not config.qkv_bias and config.mask_k_bias)),
+        "untie_cls_and_patch_norms": _yaml_value(config.cls_norm),
+        "untie_global_and_local_cls_norm": _yaml_value(config.local_cls_norm),
         "pos_embed_rope_base": config.rope_base,
         "pos_embed_rope_normalize_coords": config.rope_normalize_coords,
         "pos_embed_rope_shift_coords": _yaml_value(config.rope_shift_coords),
@@ -330,11 +329,7 @@ def meta_yaml(destination: Path, heads: MetaHeads, config: VitLsConfig, layer_sc
 
 
 def _yaml_value(value: object) -> str:
-    return "null" if value is None else str(value)
-
-
-def _yaml_bool(value: bool) -> str:
-    return "true" if value else "false"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ---------------------------------------------------------------------------------------- the format
@@ -382,9 +377,8 @@ def _heads(job: Job) -> tuple[MetaHeads, Mapping[str, Tensor], list[str], list[s
     source = job.heads or {}
     if source:
         sizes = heads_of({k: source.info(k) for k in source}, config.embed_dim, str(job.heads.path))
-        if chosen is not None and chosen.infos(config.embed_dim, job.fill_dtype) != sizes.infos(
-            config.embed_dim, job.fill_dtype
-        ):
+        dim, dtype = config.embed_dim, job.fill_dtype
+        if chosen is not None and chosen.infos(dim, dtype) != sizes.infos(dim, dtype):
             raise CheckpointError(
                 f"the source's heads are {sizes.describe()}, the --meta-config's {chosen.describe()}: Meta's "
                 f"strict load (and distillation, whose prototype counts must match) would refuse them; set the "
@@ -411,7 +405,6 @@ class MetaTrain(Format):
     table = META_TABLE
     reads_heads = True
     may_drop = frozenset({"head"})  # Meta's backbone has no classifier
-    instead = "native, hf or timm"
     default_dtype = "fp32"  # Meta's trainer keeps fp32 master weights
     takes = META_TRAIN_SPEC.option_defaults
 
@@ -424,11 +417,10 @@ class MetaTrain(Format):
     def plan_write(self, job: Job) -> WritePlan:
         """Meta's trainer's keys: `backbone.` + Meta's backbone keys, and the carried or new heads."""
         config = job.config
-        refuse_family(config, "dinov3", "Meta's DINOv3 trainer", "sapiens2, native, hf or timm")
+        self.holding(config)
         layer_scale, limits = _layer_scale_limits(config)
-        full = (
-            with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype) if layer_scale else job.tensors
-        )
+        branches = gamma_branches(config) if layer_scale else ()  # none: Meta's blocks use an identity
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
         backbone, unheld = self.table.from_native(full)
         self.check_holds(config, unheld)
         not_held, warnings = not_held_report(unheld, self.name, (*OUTPUT_CHANGING, "head"), named={"head": HEAD_NOTE})

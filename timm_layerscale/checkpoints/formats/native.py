@@ -100,6 +100,7 @@ class Native(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         tensors, config = job.tensors, job.config
+        self.holding(config)  # every shipped family's record names native; one added may not
 
         def write(tmp: Path, bar: Progress | None) -> None:
             write_native_files(tmp, tensors, config, job.architecture, job.pretrained_cfg, bar)

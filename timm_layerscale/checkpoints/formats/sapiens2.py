@@ -21,7 +21,7 @@ from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
 from ..mapping.plan import Plan
 from ..write.writers import write_safetensors, write_torch_file
-from .base import Format, Job, WritePlan, fuse, not_held_report, refuse_family, split3, with_all_gammas
+from .base import Format, Job, WritePlan, fuse, gamma_branches, not_held_report, split3, with_all_gammas
 
 Tensor = torch.Tensor
 GAMMA = "attn.gamma.weight"
@@ -80,9 +80,6 @@ class Sapiens2(Format):
     table = TABLE
     unheld_args = frozenset({"mask_token"})  # released backbones drop it: a file without one says nothing
     may_drop = frozenset({"mask_token", "head", "local_cls_norm"})
-    # Upstream's code builds every model from its arch name with these fixed.
-    fixes = {"sapiens2": {"norm_eps": 1e-6, "rope_normalize_coords": "separate"}}
-    instead = "native or hf"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return (
@@ -92,13 +89,9 @@ class Sapiens2(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         config = job.config
-        refuse_family(config, "sapiens2", "Sapiens2's code", "native, hf or timm")
-        if any(mlp is not None for _, mlp in config.layer_init_values):
-            raise CheckpointError(
-                "Sapiens2 has no LayerScale on the MLP branch and this model has: fold it first "
-                "(--fuse-layerscale), or convert --to native, hf or timm"
-            )
-        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches=(1,))
+        self.holding(config)  # upstream's code builds every model from its arch name, with what the record fixes
+        branches = gamma_branches(config)
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
         out, unheld = self.table.from_native(full, dim=config.embed_dim)
         self.check_holds(config, unheld)
         not_held, warnings = not_held_report([k for k in unheld if k != "mask_token"], self.name)

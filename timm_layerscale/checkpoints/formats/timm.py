@@ -37,9 +37,9 @@ from .base import (
     Job,
     SourceConfig,
     WritePlan,
-    family,
     ffn_args,
     fuse,
+    gamma_branches,
     hidden_features,
     k_bias_blocks,
     not_held_report,
@@ -74,19 +74,6 @@ EVA_ARCHITECTURES = {
     **{
         f"vit_ls_{s}_patch16_sapiens2": (f"vit_{s}_patch16_sapiens2",) * 2
         for s in ("base", "large", "huge", "giant", "5b")
-    },
-}
-# What eva's architectures of each layout fix, and the value they fix it to.
-EVA_FIXED = {
-    "dinov3": {"norm_eps": 1e-5, "proj_bias": True, "ffn_bias": True, "rope_normalize_coords": "separate"},
-    "sapiens2": {
-        "norm_eps": 1e-6,
-        "proj_bias": True,
-        "ffn_bias": True,
-        "rope_normalize_coords": "separate",
-        "qk_norm": True,
-        "qkv_bias": True,
-        "ffn_layer": "swiglu",
     },
 }
 EVA_POOLS = ("token", "avg", "avgmax", "max", "")
@@ -139,7 +126,8 @@ DINOV3_TABLE = KeyTable(
     )
 )
 # eva's Sapiens2: q, k and v projections apart (k/v narrower under grouped-query attention), qk-norm, LayerScale
-# on the attention branch only, the SwiGLU's gate and up rows packed in `mlp.fc1` (gate first).
+# on the attention branch only (the family's record: no gamma_2 row), the SwiGLU's gate and up rows packed in
+# `mlp.fc1` (gate first).
 SAPIENS2_TABLE = KeyTable(
     (
         row("cls_token", "cls_token"),
@@ -232,14 +220,6 @@ def eva_architecture(config: VitLsConfig, variant: str, qkv_bias: bool) -> str:
             f"timm's eva has no {plain}_qkvb to hold this checkpoint's non-zero q/v biases; convert --to native, "
             f"hf or meta instead"
         )
-    layout = family(config)
-    for name, fixed in EVA_FIXED[layout].items():
-        if getattr(config, name) != fixed:
-            own = "sapiens2" if layout == "sapiens2" else "meta"
-            raise CheckpointError(
-                f"timm's eva {layout} architectures fix {name}={fixed!r}, this model has {name}="
-                f"{getattr(config, name)!r}: convert --to native, hf or {own} instead"
-            )
     if config.global_pool not in EVA_POOLS:
         raise CheckpointError(
             f"timm's eva has no global_pool={config.global_pool!r}; pass --model-kwargs global_pool=token"
@@ -247,12 +227,14 @@ def eva_architecture(config: VitLsConfig, variant: str, qkv_bias: bool) -> str:
     return _eva_model(with_qv if qkv_bias or plain is None else plain, variant)
 
 
-def eva_config(config: VitLsConfig, variant: str, qkv_bias: bool, pretrained_cfg: Mapping[str, Any]) -> dict[str, Any]:
+def eva_config(
+    config: VitLsConfig, variant: str, qkv_bias: bool, pretrained_cfg: Mapping[str, Any], layout: str = "dinov3"
+) -> dict[str, Any]:
     """timm's config.json naming eva's architecture for `variant`, with every model arg."""
     cfg = pretrained_cfg_fields(pretrained_cfg, config.num_classes)
     cfg["fixed_input_size"] = not config.dynamic_img_size
     args = write_fields(CONFIG_FIELDS, config)
-    if family(config) == "sapiens2":  # a packed SwiGLU (eva's GluMlp: no alignment), k/v heads per block
+    if layout == "sapiens2":  # a packed SwiGLU (eva's GluMlp: no alignment), k/v heads per block
         args.update(swiglu_align_to=0, num_kv_heads=config.layer_kv_heads)
     return {
         "architecture": eva_architecture(config, variant, qkv_bias),
@@ -276,8 +258,6 @@ class TimmEva(Format):
     # eva's plain architectures have no qkv bias (Meta's all-zero ones are left out), and eva no local-crop norm.
     unheld_args = frozenset({"qkv_bias", "local_cls_norm", "mask_token"})
     may_drop = frozenset({PERIODS, "local_cls_norm", "mask_token"})
-    instead = "native or hf"
-    rope_in_fp32 = True
     rope_code = "timm's eva"
 
     def recognise(self, keys: Sequence[str]) -> bool:
@@ -298,9 +278,8 @@ class TimmEva(Format):
 
     def plan_write(self, job: Job) -> WritePlan:
         config = job.config
-        layout = family(config)
-        branches = (1,) if layout == "sapiens2" else (1, 2)  # eva's Sapiens2: LayerScale on attention only
-        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, branches)
+        layout = self.holding(config).layout  # eva's table of the family: DINOv3's or Sapiens2's
+        full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, gamma_branches(config))
         only_qkvb = EVA_ARCHITECTURES.get(job.architecture, ("", ""))[0] is None
         if only_qkvb and layout == "dinov3" and not config.qkv_bias:
             raise CheckpointError(
@@ -319,7 +298,7 @@ class TimmEva(Format):
         if not config.num_storage_tokens:  # eva with no register tokens has no reg_token
             out = Plan(out, passthrough(k for k in out if k != "reg_token"))
         not_held, warnings = not_held_report(unheld, self.name)
-        cfg = eva_config(config, job.architecture, with_qv, job.pretrained_cfg)
+        cfg = eva_config(config, job.architecture, with_qv, job.pretrained_cfg, layout)
 
         def write(tmp: Path, bar: Progress | None) -> None:
             write_safetensors(tmp / WEIGHTS_FILE, out, progress=bar)
