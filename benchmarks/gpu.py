@@ -63,7 +63,6 @@ from timm_layerscale import fold_layer_scale, shard_model
 from timm_layerscale.checkpoints.formats.timm import TIMM
 from timm_layerscale.layers import RopeEmbedding, apply_rope
 from timm_layerscale.layers.attention import rotate_heads
-from timm_layerscale.layers.rope import apply_rope_into
 
 from .common import (
     EVA,
