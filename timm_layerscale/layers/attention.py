@@ -16,12 +16,15 @@ def rotate_heads(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
     """RoPE on heads `[batch, tokens, heads, head_dim]`: q's and k's heads side by side, or either alone.
 
     `rope` is one grid's `[tokens, head_dim]` pair, or a NaFlex batch's `[batch, tokens, head_dim]` (one
-    grid per image). Heads are rotated in the tables' dtype (`apply_rope`); without autograd, heads of the
-    tables' dtype or narrower are rotated in place (`apply_rope_into`: the same bits, or one unit off).
+    grid per image). Heads are rotated in the tables' dtype (`apply_rope`); heads narrower than the tables
+    are rotated in place when there is no autograd (`apply_rope_into`), one unit off at most. Heads of the
+    tables' dtype are not: out of place, the attention branch stays below the MLP's peak, and a hook on qkv
+    keeps what qkv computed.
     """
     sin, cos = rope
     rope = (sin.unsqueeze(-2), cos.unsqueeze(-2))
-    if not torch.is_grad_enabled() and torch.promote_types(x.dtype, cos.dtype) == cos.dtype:
+    narrower = x.dtype != cos.dtype and torch.promote_types(x.dtype, cos.dtype) == cos.dtype
+    if narrower and not torch.is_grad_enabled():
         return apply_rope_into(x, rope)
     return apply_rope(x, rope)
 

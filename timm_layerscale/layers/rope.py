@@ -165,19 +165,14 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
 
 
 def apply_rope_into(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """`apply_rope` without autograd, written back into `x` (which may be a view of qkv: a rotated copy of q
-    and k would be the forward's largest temporary).
+    """`apply_rope` for `x` narrower than the tables, without autograd, written back into `x` (which may be
+    a view of qkv: a rotated copy of q and k would be the forward's largest temporary).
 
-    Tables of `x`'s dtype: `apply_rope`'s products and sum in its order, in place, so the same bits. Tables
-    wider than `x`: one upcast copy of `x` on a CPU (where each mixed-dtype product would make its own), and
-    the two sine terms added in place (`addcmul_`), so no swapped copy exists; a fused multiply-add may round
-    once where `apply_rope` rounds twice, so after rounding to `x`'s dtype the value is `apply_rope`'s or one
-    unit off.
+    One upcast copy of `x` on a CPU, where each mixed-dtype product would make its own; the two sine terms are
+    added in place (`addcmul_`), so no swapped copy exists. A fused multiply-add may round once where
+    `apply_rope` rounds twice: after rounding to `x`'s dtype the value is `apply_rope`'s or one unit off.
     """
     signed_sin, cos = rope
-    if x.dtype == cos.dtype:
-        rotated = _swapped_halves(x).mul_(signed_sin)
-        return x.mul_(cos).add_(rotated)
     half = x.shape[-1] // 2
     wide = x.to(cos.dtype) if x.device.type == "cpu" else x
     rotated = wide * cos
