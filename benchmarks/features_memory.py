@@ -64,7 +64,7 @@ def child(case: str) -> dict[str, float]:
     torch.manual_seed(0)
     loaded = features.load_model(args)
     size = None if args.size == "native" else int(args.size)
-    jobs = feature_pictures.plan_images(sorted(root.glob("*.png")), size, loaded.patch)
+    jobs = feature_pictures.measure_images(sorted(root.glob("*.png")), size, loaded.patch)
     device = torch.device("cpu")
     loaded.model.to(device, feature_run.DTYPES[args.dtype])  # cast first: the fp32 weights it frees would hide a peak
     settings = features.settings(args)

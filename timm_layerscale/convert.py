@@ -27,7 +27,7 @@ from timm_ls.names import CAST_DTYPES, KEEP, WEIGHTS_SETS
 
 from .checkpoints.dtypes import cast_dtype
 from .checkpoints.errors import CheckpointError
-from .checkpoints.formats import Format, Job, WritePlan, target_format
+from .checkpoints.formats import Format, Job, PreparedWrite, target_format
 from .checkpoints.formats.base import bf16_rope_targets
 from .checkpoints.mapping.fit import Fitted, fit_to_model
 from .checkpoints.mapping.layer_scale import branches_with_layer_scale
@@ -40,7 +40,7 @@ from .layers import RopeEmbedding
 from .model import VisionTransformerLS
 from .variants import VARIANTS
 
-__all__ = ["Conversion", "Planned", "convert_checkpoint", "plan_conversion"]
+__all__ = ["Conversion", "PreparedConversion", "convert_checkpoint", "prepare_conversion"]
 
 PROGRESS_MIN_BYTES = 256 << 20  # a bar for conversions at least this large (when stderr is a terminal)
 # How far a target computing RoPE in fp32 moves a bf16-RoPE model's outputs is measured on the model itself up
@@ -134,22 +134,22 @@ def convert_checkpoint(
     with _opened(src, weights, heads=request.target.reads_heads) as ckpt:
         _refuse_to_replace_source(ckpt, request.dst)
         planned = _plan(ckpt, request, model, model_kwargs, fuse_layerscale, max_shard_size)
-        warnings = planned.fitted.warnings + planned.write_plan.warnings + rope_warning(planned, request.target)
+        warnings = planned.fitted.warnings + planned.prepared_write.warnings + rope_warning(planned, request.target)
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
-        _write(planned.write_plan, request, overwrite, progress)
+        _write(planned.prepared_write, request, overwrite, progress)
         return planned.conversion(src, ckpt, request, warnings, time.perf_counter() - start)
 
 
 @dataclass
-class Planned:
+class PreparedConversion:
     """A conversion planned to the last tensor, nothing written: the source's format, the model it holds,
     the weights fitted to it, and the target's tensors with what it cannot hold."""
 
     source: Format
     identity: IdentifiedModel
     fitted: Fitted
-    write_plan: WritePlan
+    prepared_write: PreparedWrite
 
     def conversion(
         self, src: Any, ckpt: LazyCheckpoint, request: _Request, warnings: list[str], seconds: float
@@ -163,20 +163,20 @@ class Planned:
             weights=ckpt.weights,
             variant=self.identity.full_name,
             reason=self.identity.reason,
-            tensors=len(self.write_plan.tensors),
-            nbytes=self.write_plan.tensors.nbytes,
+            tensors=len(self.prepared_write.tensors),
+            nbytes=self.prepared_write.tensors.nbytes,
             seconds=seconds,
-            not_held=self.write_plan.not_held,
+            not_held=self.prepared_write.not_held,
             report=[*self.fitted.report(warnings=False), *left_out_report(ckpt)],  # warnings go to stderr
             warnings=warnings,
             keys=self.source.title,
             model_args=self.identity.config.to_dict(),
-            notes=self.write_plan.notes,
-            meta_yaml=self.write_plan.text,
+            notes=self.prepared_write.notes,
+            meta_yaml=self.prepared_write.text,
         )
 
 
-def rope_warning(planned: Planned, target: Format) -> list[str]:
+def rope_warning(planned: PreparedConversion, target: Format) -> list[str]:
     """The target's RoPE rule (`Format.rope_rule`) as one line, with how far the outputs move: measured on the
     model built both ways from the fitted weights at a small input, up to `ROPE_MEASURE_BYTES` of weights."""
     config = planned.identity.config
@@ -234,7 +234,7 @@ def left_out_report(ckpt: LazyCheckpoint) -> list[str]:
     return [f"dropped {len(ckpt.left_out)} tensors beside the backbone, which a backbone does not hold: {shown}"]
 
 
-def plan_conversion(
+def prepare_conversion(
     ckpt: LazyCheckpoint,
     dst: str | Path,
     to: str = "native",
@@ -243,9 +243,9 @@ def plan_conversion(
     dtype: str | None = None,
     fuse_layerscale: bool = False,
     **options: Any,
-) -> Planned:
+) -> PreparedConversion:
     """What `convert_checkpoint(ckpt, dst, ...)` would write, planned from shapes and nothing written:
-    `.write_plan.tensors.infos` holds every key, shape and dtype of the target (a dry run; the destination is
+    `.prepared_write.tensors.infos` holds every key, shape and dtype of the target (a dry run; the destination is
     not checked). Reads only what a conversion reads ahead (q/k/v biases, RoPE periods, gammas)."""
     weights = ckpt.weights if ckpt.weights in WEIGHTS_SETS else "auto"
     request = _checked_request(Path(dst), to, dtype, weights, options, overwrite=None)
@@ -259,10 +259,12 @@ def _plan(
     model_kwargs: Mapping[str, Any] | None,
     fuse: bool,
     max_shard_size: int | str,
-) -> Planned:
+) -> PreparedConversion:
     found = identify_checkpoint(ckpt, model, model_kwargs, fuse)
-    fitted, write_plan = _planned(found.native, found.format.title, found.model, request, ckpt.heads, max_shard_size)
-    return Planned(found.format, found.model, fitted, write_plan)
+    fitted, prepared_write = _prepare(
+        found.native, found.format.title, found.model, request, ckpt.heads, max_shard_size
+    )
+    return PreparedConversion(found.format, found.model, fitted, prepared_write)
 
 
 def _variant_layer_scale(name: str) -> tuple[str, ...]:
@@ -285,14 +287,14 @@ def _checked_request(
     return _Request(target, dst, None if dtype == KEEP else cast_dtype(dtype), weights, checked)
 
 
-def _planned(
+def _prepare(
     native: Plan,
     keys: str,
     identity: IdentifiedModel,
     request: _Request,
     heads: LazyCheckpoint | None,
     max_shard_size: int | str,
-) -> tuple[Fitted, WritePlan]:
+) -> tuple[Fitted, PreparedWrite]:
     """The checkpoint fitted to its model, cast, and mapped to the target's keys: all planned, nothing read."""
     fill_dtype = request.cast or dominant_dtype(native)
     fitted = fit_to_model(
@@ -317,12 +319,12 @@ def _planned(
         heads=heads,
         options=request.options,
     )
-    return fitted, request.target.plan_write(job)
+    return fitted, request.target.prepare_write(job)
 
 
-def _write(write_plan: WritePlan, request: _Request, overwrite: bool, progress: bool | None) -> None:
+def _write(prepared_write: PreparedWrite, request: _Request, overwrite: bool, progress: bool | None) -> None:
     """The target's files into a temporary name, renamed to `dst` when complete."""
-    total = write_plan.tensors.nbytes
+    total = prepared_write.tensors.nbytes
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
     dst, target = request.dst, request.target
     with (
@@ -331,7 +333,7 @@ def _write(write_plan: WritePlan, request: _Request, overwrite: bool, progress: 
             dst, overwrite, folder=target.writes_folder(dst), what=f"--to {target.name}", ours=target.spec.files
         ) as tmp,
     ):
-        write_plan.write(tmp, bar)
+        prepared_write.write(tmp, bar)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .destinations import destination_problem, format_destination_problem
 from .errors import CliError
-from .image_folder import TASKS, read_layout
+from .image_folder import TASKS, read_image_folder
 from .layer_sets import LAYER_SETS
 from .names import (
     CAST_DTYPES,
@@ -231,7 +231,7 @@ def check_probe(args: argparse.Namespace) -> None:
     _require(CHECKPOINT, args.checkpoint)
     if not Path(args.data).exists():
         raise CliError(f"DATA {args.data} does not exist; pass a folder of images laid out as DATA/train/<class>/*")
-    read_layout(args.data, args.task)
+    read_image_folder(args.data, args.task)
     if Path(args.out).resolve().is_relative_to(Path(args.data).resolve()):
         raise CliError(
             f"--out {args.out} is inside DATA {args.data}, where it would read as data; choose a folder outside"

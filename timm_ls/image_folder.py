@@ -1,4 +1,4 @@
-"""The data layouts `timm-ls probe` reads, listed and checked without torch (the command's front and the package
+"""The data folders `timm-ls probe` reads, listed and checked without torch (the command's front and the package
 share them).
 
 Classification is timm's ImageFolder layout: `DATA/train/<class>/*` and, optionally, `DATA/val/<class>/*`
@@ -31,7 +31,7 @@ class Split:
 
 
 @dataclass
-class Layout:
+class ImageFolder:
     task: str
     classes: list[str]  # classification: the class folders of train, in order; segmentation: empty
     train: Split
@@ -52,16 +52,16 @@ def _class_folders(folder: Path) -> dict[str, list[Path]]:
     return found
 
 
-def _train_folder(data: Path, layout: str) -> Path:
+def _train_folder(data: Path, expected: str) -> Path:
     if not data.is_dir():
-        raise CliError(f"DATA {data} is not a folder; pass a folder laid out as {layout}")
+        raise CliError(f"DATA {data} is not a folder; pass a folder laid out as {expected}")
     train = data / "train"
     if not train.is_dir():
-        raise CliError(f"{data} has no train/ folder; lay it out as {layout}")
+        raise CliError(f"{data} has no train/ folder; lay it out as {expected}")
     return train
 
 
-def classification_layout(data: Path) -> Layout:
+def classification_folder(data: Path) -> ImageFolder:
     """The ImageFolder layout of `data`, or one line naming what is missing."""
     train = _train_folder(data, CLASSIFICATION_LAYOUT)
     classes = _class_folders(train)
@@ -83,7 +83,7 @@ def classification_layout(data: Path) -> Layout:
         if not found:
             raise CliError(f"{data / 'val'} has no class folders; lay it out as {CLASSIFICATION_LAYOUT}")
         val = Split([p for c in found for p in found[c]], [names.index(c) for c in found for _ in found[c]], [])
-    return Layout(CLASSIFICATION, names, split, val)
+    return ImageFolder(CLASSIFICATION, names, split, val)
 
 
 def _segmentation_split(folder: Path) -> Split:
@@ -103,12 +103,12 @@ def _segmentation_split(folder: Path) -> Split:
     return Split(images, [], masks)
 
 
-def segmentation_layout(data: Path) -> Layout:
+def segmentation_folder(data: Path) -> ImageFolder:
     """The images-and-masks layout of `data`, or one line naming what is missing."""
     train = _segmentation_split(_train_folder(data, SEGMENTATION_LAYOUT))
     val = _segmentation_split(data / "val") if (data / "val").is_dir() else None
-    return Layout(SEGMENTATION, [], train, val)
+    return ImageFolder(SEGMENTATION, [], train, val)
 
 
-def read_layout(data: str | Path, task: str) -> Layout:
-    return (segmentation_layout if task == SEGMENTATION else classification_layout)(Path(data))
+def read_image_folder(data: str | Path, task: str) -> ImageFolder:
+    return (segmentation_folder if task == SEGMENTATION else classification_folder)(Path(data))

@@ -34,6 +34,13 @@ class _BoundedLoader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
+    def fetch_flow_collection_start(self, TokenClass: Any) -> None:
+        # Refused as it is scanned: PyYAML's scanner reads a flow collection to its end before the composer
+        # sees a node, keeping every open bracket as a possible key, in time quadratic in the nesting.
+        if self.flow_level >= MAX_DEPTH:
+            raise _Refused(f"it nests more than {MAX_DEPTH} deep", self.get_mark())
+        super().fetch_flow_collection_start(TokenClass)
+
     def compose_node(self, parent: Any, index: Any) -> Any:
         self._depth += 1
         try:

@@ -122,7 +122,7 @@ def test_save_writes_the_tokens_with_grid_layer_and_model(weights, tmp_path, cap
     assert tokens.shape == (4, 5, 384)
     assert meta["grid"] == "4x5" and meta["layer"] == "0" and meta["model"] == OURS and str(file) in meta["source"]
     assert meta["input_size"] == "64x80" and meta["patch_size"] == "16"
-    (job,) = pictures.plan_images([image], 64, 16)
+    (job,) = pictures.measure_images([image], 64, 16)
     pixels = np.empty((1, 3, 64, 80), np.float32)
     seen = pictures.decode(job, timm.data.resolve_data_config(model=model), pixels[0])
     x = torch.from_numpy(pixels)
@@ -212,7 +212,7 @@ def test_an_image_of_too_many_patches_is_refused_before_it_is_read(size, image, 
     (err,) = capsys.readouterr().err.strip().splitlines()
     assert f"an image may have at most {pictures.MAX_PATCHES:,}" in err and f"pass --size {largest} or less" in err
     assert not (tmp_path / "out").exists()
-    (job,) = pictures.plan_images([path], largest, 16)
+    (job,) = pictures.measure_images([path], largest, 16)
     assert job.patches <= pictures.MAX_PATCHES < job.at(largest + 16).patches
 
 

@@ -165,7 +165,7 @@ def test_on_a_gpu_the_count_adds_the_models_weights_at_the_run_dtype(dtype, chec
     image = noise(tmp_path / "a.png", (64, 48))
     args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--dtype", dtype])
     loaded = command.load_model(args)
-    jobs = feature_pictures.plan_images([image], 768, 16)
+    jobs = feature_pictures.measure_images([image], 768, 16)
     on_cpu = feature_run.need(loaded, jobs, command.settings(args), torch.device("cpu")).total
     on_gpu = feature_run.need(loaded, jobs, command.settings(args), torch.device("cuda")).total
     element = 2 if dtype == "bf16" else 4
@@ -179,7 +179,7 @@ def test_a_large_file_at_a_small_size_peaks_while_it_is_read(checkpoint, tmp_pat
     image = noise(tmp_path / "big.png", (4000, 3000))
     args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--size", "64"])
     loaded = command.load_model(args)
-    (job,) = feature_pictures.plan_images([image], 64, 16)
+    (job,) = feature_pictures.measure_images([image], 64, 16)
     counted = feature_run.need(loaded, [job], command.settings(args), torch.device("cpu"))
     assert counted.peak.phase == "reading" and counted.total >= 2 * 4 * 4000 * 3000
     assert main([*args_of(image, checkpoint), "--size", "64", "--out", str(tmp_path / "out")]) == 0

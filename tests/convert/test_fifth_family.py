@@ -33,7 +33,7 @@ from timm_layerscale import (
 from timm_layerscale.checkpoints.formats.base import (
     NATIVE_KEYS,
     Job,
-    WritePlan,
+    PreparedWrite,
     gamma_branches,
     not_held_report,
     with_all_gammas,
@@ -77,14 +77,14 @@ class ToyFormat(Format):
     def recognise(self, keys: Sequence[str]) -> bool:
         return any(k.endswith(".ffn_scale") for k in keys)
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         config = job.config
         self.holding(config)  # what its family's record says it holds
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, gamma_branches(config))
         out, unheld = self.table.from_native(full)
         self.check_holds(config, unheld)
         not_held, warnings = not_held_report(unheld, self.name)
-        return WritePlan(out, lambda tmp, bar: write_safetensors(tmp, out, progress=bar), not_held, warnings)
+        return PreparedWrite(out, lambda tmp, bar: write_safetensors(tmp, out, progress=bar), not_held, warnings)
 
 
 RECORD = FamilyRecord(

@@ -25,7 +25,7 @@ from timm_layerscale.checkpoints import LazyCheckpoint, TensorInfo, open_checkpo
 from timm_layerscale.checkpoints.formats.hf import HF
 from timm_layerscale.checkpoints.formats.meta_train import META_ARCHS, META_SWIGLU
 from timm_layerscale.checkpoints.formats.timm import TIMM
-from timm_layerscale.convert import plan_conversion
+from timm_layerscale.convert import prepare_conversion
 from timm_layerscale.identity import expected_state
 
 BUILDERS = json.loads((FIXTURES / "meta_builders.json").read_text())["builders"]
@@ -68,8 +68,8 @@ def meta_keys(builder: str) -> dict[str, TensorInfo]:
 
 @pytest.mark.parametrize(("builder", "name"), CASES, ids=[name for _, name in CASES])
 def test_a_timm_plain_file_to_meta_has_every_key_of_metas_builder(builder, name):
-    planned = plan_conversion(timm_plain_file(name), "out.pth", to="meta", model=name, dtype="fp32")
-    written = planned.write_plan.tensors.infos
+    planned = prepare_conversion(timm_plain_file(name), "out.pth", to="meta", model=name, dtype="fp32")
+    written = planned.prepared_write.tensors.infos
     expected = meta_keys(builder)
     assert sorted(written) == sorted(expected), set(written) ^ set(expected)
     assert all(written[k] == expected[k] for k in expected), [k for k in expected if written[k] != expected[k]]
@@ -86,19 +86,19 @@ def test_a_transformers_file_to_meta_takes_the_local_crop_norm_from_the_tag(name
     )
     source = timm_plain_file(name, HF, k_bias=False)
     assert not any("local_cls_norm" in key for key in source)
-    planned = plan_conversion(source, "out.pth", to="meta", model=name, dtype="fp32")
-    assert set(planned.write_plan.tensors.infos) == set(meta_keys(builder))
+    planned = prepare_conversion(source, "out.pth", to="meta", model=name, dtype="fp32")
+    assert set(planned.prepared_write.tensors.infos) == set(meta_keys(builder))
     assert "local_cls_norm from norm" in planned.fitted.filled
 
 
 @pytest.mark.parametrize(("builder", "name"), CASES[:1] + CASES[-1:], ids=["small", "7b-sat"])
 def test_a_timm_plain_file_to_meta_train_has_metas_backbone_keys(builder, name):
-    planned = plan_conversion(timm_plain_file(name), "train.pth", to="meta-train", model=name)
+    planned = prepare_conversion(timm_plain_file(name), "train.pth", to="meta-train", model=name)
     backbone = {
-        k.removeprefix("backbone."): v.shape for k, v in planned.write_plan.tensors.infos.items() if "head" not in k
+        k.removeprefix("backbone."): v.shape for k, v in planned.prepared_write.tensors.infos.items() if "head" not in k
     }
     assert backbone == {k: v.shape for k, v in meta_keys(builder).items()}
-    student = planned.write_plan.text
+    student = planned.prepared_write.text
     assert f"arch: {RULE_ARCH[name.partition('.')[0]]}" in student
 
 
@@ -151,13 +151,13 @@ def test_metas_tiny_models_through_timm_and_back_give_metas_outputs(rule, tmp_pa
 def test_a_meta_file_without_qkv_bias_keeps_none():
     """Meta writes the bias of every model built with one: a Meta file without it is a model without, as the
     7B is, and stays so (its builder would refuse biases it has no place for)."""
-    planned = plan_conversion(
+    planned = prepare_conversion(
         LazyCheckpoint(Path("m.safetensors"), "state dict", "all", *_meta_infos("swiglu64")),
         "o.pth",
         to="meta",
         model_kwargs=dict(embed_dim=64, depth=2, num_heads=4, ffn_layer="swiglu", swiglu_align_to=64),
     )
-    assert not any(k.endswith("qkv.bias") for k in planned.write_plan.tensors.infos)
+    assert not any(k.endswith("qkv.bias") for k in planned.prepared_write.tensors.infos)
 
 
 def _meta_infos(rule: str):
@@ -180,8 +180,8 @@ def test_the_arch_table_is_metas():
 
 def student(name: str) -> dict[str, str]:
     """The `student:` block printed for a timm plain file of a shipped variant, as a mapping."""
-    planned = plan_conversion(timm_plain_file(name), "train.pth", to="meta-train", model=name)
-    block = planned.write_plan.text.split("student:", 1)[1].split("\ngram:")[0]
+    planned = prepare_conversion(timm_plain_file(name), "train.pth", to="meta-train", model=name)
+    block = planned.prepared_write.text.split("student:", 1)[1].split("\ngram:")[0]
     assert yaml.safe_load("student:" + block)  # Meta's config loader reads it
     pairs = [line.strip().split(": ", 1) for line in block.splitlines()[1:] if not line.strip().startswith("#")]
     return {key: value.split("  #")[0] for key, value in pairs} | {"#": block}
@@ -244,10 +244,10 @@ def test_the_student_block_has_metas_rope_rescale_and_this_models_rope_dtype(bui
 
 def test_a_backbone_with_its_own_rescale_gets_it_and_no_note():
     name = "vit_ls_small_patch16_dinov3.lvd1689m"
-    planned = plan_conversion(
+    planned = prepare_conversion(
         timm_plain_file(name), "train.pth", to="meta-train", model=name, model_kwargs={"rope_rescale_coords": 1.5}
     )
-    text = planned.write_plan.text
+    text = planned.prepared_write.text
     assert "  pos_embed_rope_rescale_coords: 1.5\n" in text and "sets no rope_rescale_coords" not in text
 
 
@@ -255,9 +255,9 @@ def test_a_meta_file_with_bf16_rounded_periods_still_says_rope_dtype_fp32():
     """Meta's own tiny model (built with pos_embed_rope_dtype fp32), whose periods read as bf16-rounded."""
     kwargs = {k: META_CONFIGS["meta_mlp"][k] for k in ("embed_dim", "depth", "num_heads", "ffn_ratio")}
     with open_checkpoint(FIXTURES / "meta_mlp.safetensors") as source:
-        text = plan_conversion(
+        text = prepare_conversion(
             source, "t.pth", to="meta-train", model=VARIANT["mlp"], model_kwargs=kwargs
-        ).write_plan.text
+        ).prepared_write.text
     (line,) = [line for line in text.splitlines() if "pos_embed_rope_dtype" in line]
     assert line.startswith(f"  pos_embed_rope_dtype: {META_CONFIGS['meta_mlp']['pos_embed_rope_dtype']}  # ")
 

@@ -14,7 +14,7 @@ from support import TINY, VARIANT, assert_fp32_close, move_off_init_
 
 from timm_layerscale import FORMATS, CheckpointError, Format, convert_checkpoint, register_format
 from timm_layerscale.checkpoints.formats import recognise
-from timm_layerscale.checkpoints.formats.base import NATIVE_KEYS, Job, WritePlan, not_held_report
+from timm_layerscale.checkpoints.formats.base import NATIVE_KEYS, Job, PreparedWrite, not_held_report
 from timm_layerscale.checkpoints.mapping.keys import KeyTable, row
 from timm_layerscale.checkpoints.write.writers import write_safetensors
 from timm_ls.names import FILE, FormatSpec
@@ -44,10 +44,10 @@ class Flat(Format):
     def recognise(self, keys: Sequence[str]) -> bool:
         return any(key.startswith("trunk.") for key in keys)
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         out, unheld = self.table.from_native(job.tensors)
         not_held, warnings = not_held_report(unheld, self.name)
-        return WritePlan(out, lambda tmp, bar: write_safetensors(tmp, out, progress=bar), not_held, warnings)
+        return PreparedWrite(out, lambda tmp, bar: write_safetensors(tmp, out, progress=bar), not_held, warnings)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from torch import nn
 from timm_ls.names import is_variant_file
 from timm_ls.paths import image_files
 
-from ..tools.feature_pictures import plan_images
+from ..tools.feature_pictures import measure_images
 from ..tools.feature_run import FeatureSettings, Loaded, write_feature_pictures
 from ..variants import VARIANTS
 from .common import CliError, build, build_from_checkpoint, load_report, parse_model_kwargs, resolve_variant, warn
@@ -99,6 +99,6 @@ def execute(args: argparse.Namespace) -> int:
     paths = image_files(args.images)
     torch.manual_seed(0)  # a random-init model gives the same picture on every run
     loaded = load_model(args)
-    jobs = plan_images(paths, size, loaded.patch)
+    jobs = measure_images(paths, size, loaded.patch)
     print("\n".join(write_feature_pictures(loaded, jobs, Path(args.out), settings(args), device)))
     return 0

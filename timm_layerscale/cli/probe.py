@@ -1,6 +1,6 @@
 """`timm-ls probe DATA --model NAME ... --out DIR`: Meta's frozen-feature protocols on a folder of images.
 
-The command reads the layout, loads each model as `timm-ls features` does (`features.load_model`), and hands
+The command reads the folder, loads each model as `timm-ls features` does (`features.load_model`), and hands
 the rest to `timm_layerscale.probe`: features cached per block (`probe.extract`, `probe.cache`), the protocols
 (`probe.evaluate`) and what is printed and written (`probe.report`).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from timm_ls.image_folder import SEGMENTATION, Layout, read_layout
+from timm_ls.image_folder import SEGMENTATION, ImageFolder, read_image_folder
 
 from ..probe import data, evaluate, report
 from ..probe.cache import FeatureCache, weights_digest
@@ -25,36 +25,36 @@ from .common import CliError, count, table, warn
 from .features import find_device, load_model
 
 
-def _check_data(layout: Layout, args: argparse.Namespace) -> int:
+def _check_data(folder: ImageFolder, args: argparse.Namespace) -> int:
     """Everything about the data that can be refused, before any model is built or anything written; the
     number of classes."""
-    splits = [layout.train, *([layout.val] if layout.val else [])]
+    splits = [folder.train, *([folder.val] if folder.val else [])]
     if args.strict:
         for split in splits:
             data.refuse_unreadable(split.images)
-    if layout.task != SEGMENTATION:
-        _check_train_size(layout, args)
-        return len(layout.classes)
+    if folder.task != SEGMENTATION:
+        _check_train_size(folder, args)
+        return len(folder.classes)
     for split in splits:
         data.check_mask_sizes(split.images, split.masks)
-    train = data.mask_classes(layout.train.masks)
-    return evaluate.segmentation_classes(train, data.mask_classes(layout.val.masks) if layout.val else train)
+    train = data.mask_classes(folder.train.masks)
+    return evaluate.segmentation_classes(train, data.mask_classes(folder.val.masks) if folder.val else train)
 
 
-def _check_train_size(layout: Layout, args: argparse.Namespace) -> None:
-    labels = layout.train.labels
-    train = len(labels) if layout.val else len(labels) - sum(stratified_split(labels, args.val_split, args.seed))
+def _check_train_size(folder: ImageFolder, args: argparse.Namespace) -> None:
+    labels = folder.train.labels
+    train = len(labels) if folder.val else len(labels) - sum(stratified_split(labels, args.val_split, args.seed))
     if train < min(KS):
-        where = "" if layout.val else f" once --val-split {args.val_split} is held out"
+        where = "" if folder.val else f" once --val-split {args.val_split} is held out"
         raise CliError(
-            f"{layout.train.images[0].parent.parent} leaves {count(train, 'train image')}{where}; the kNN needs "
+            f"{folder.train.images[0].parent.parent} leaves {count(train, 'train image')}{where}; the kNN needs "
             f"{min(KS)} or more (its smallest k): add images"
         )
 
 
-def _extract(layout: Layout, loaded, args, blocks: list[int], device):
+def _extract(folder: ImageFolder, loaded, args, blocks: list[int], device):
     """Train's and val's features of one model, from the cache where it has them."""
-    seg = layout.task == SEGMENTATION
+    seg = folder.task == SEGMENTATION
     transform = data.segmentation_transform(loaded.model) if seg else data.classification_transform(loaded.model)
     digest = weights_digest(loaded.model)
     loaded.model.to(device, DTYPES[args.dtype])
@@ -63,7 +63,7 @@ def _extract(layout: Layout, loaded, args, blocks: list[int], device):
     start = time.perf_counter()
     found = [
         split_features(how, cache, name, split.images, split.masks, f"{name} features")
-        for name, split in (("train", layout.train), ("val", layout.val))
+        for name, split in (("train", folder.train), ("val", folder.val))
         if split is not None
     ]
     seconds = round(time.perf_counter() - start, 3)
@@ -84,9 +84,9 @@ def _extract(layout: Layout, loaded, args, blocks: list[int], device):
     return transform, digest, found[0], found[1] if len(found) > 1 else None, seconds, skipped
 
 
-def _pictures(args, layout: Layout, sets, transform, result, num_classes: int, tag: str) -> list[Path]:
+def _pictures(args, folder: ImageFolder, sets, transform, result, num_classes: int, tag: str) -> list[Path]:
     rows = sets.val_rows[: args.pictures].tolist()
-    images = (layout.val or layout.train).images
+    images = (folder.val or folder.train).images
     paths = [images[sets.val.kept[r]] for r in rows]
     shown = [transform.picture(data.load_image(p)) for p in paths]
     truths = [sets.val.masks[r] for r in rows]
@@ -95,24 +95,24 @@ def _pictures(args, layout: Layout, sets, transform, result, num_classes: int, t
     )
 
 
-def _rows_of_model(args, layout: Layout, name: str | None, device, num_classes: int) -> list[dict]:
+def _rows_of_model(args, folder: ImageFolder, name: str | None, device, num_classes: int) -> list[dict]:
     torch.manual_seed(0)  # random-init weights are the same on every run: their cache is found again
     loaded = load_model(argparse.Namespace(**{**vars(args), "model": name}))
     depth = len(loaded.model.blocks)
     layer_sets = [(text, evaluate.layer_blocks(text, depth)) for text in args.layer or ["last"]]
     blocks = sorted({b for _, found in layer_sets for b in found})
-    transform, digest, train, val, seconds, skipped = _extract(layout, loaded, args, blocks, device)
-    seg = layout.task == SEGMENTATION
-    labels = layout.train.labels if not seg else None
+    transform, digest, train, val, seconds, skipped = _extract(folder, loaded, args, blocks, device)
+    seg = folder.task == SEGMENTATION
+    labels = folder.train.labels if not seg else None
     sets = evaluate.make_sets(
-        train, val, labels, layout.val.labels if layout.val and not seg else None, args.val_split, args.seed
+        train, val, labels, folder.val.labels if folder.val and not seg else None, args.val_split, args.seed
     )
     rows = []
     for text, found in layer_sets:
         if seg:
             row, result = evaluate.segmentation_row(sets, found, num_classes, args.steps, args.seed)
             tag = f"{len(rows)}_{text}"
-            row["pictures"] = [str(p) for p in _pictures(args, layout, sets, transform, result, num_classes, tag)]
+            row["pictures"] = [str(p) for p in _pictures(args, folder, sets, transform, result, num_classes, tag)]
         else:
             row = evaluate.classification_row(sets, found, args.tokens, num_classes, args.seed, args.max_iter)
         row["times_s"]["features"] = seconds
@@ -127,7 +127,7 @@ def _rows_of_model(args, layout: Layout, name: str | None, device, num_classes: 
                 "dtype": args.dtype,
                 "skipped_images": skipped,
                 "seeds": {
-                    "val_split": args.seed if layout.val is None else None,
+                    "val_split": args.seed if folder.val is None else None,
                     "logreg_holdout": args.seed,
                     "head": args.seed if seg else None,
                 },
@@ -140,22 +140,22 @@ def execute(args: argparse.Namespace) -> int:
     device = find_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    layout = read_layout(args.data, args.task)
-    num_classes = _check_data(layout, args)
+    folder = read_image_folder(args.data, args.task)
+    num_classes = _check_data(folder, args)
     rows = []
     for name in args.model or [None]:
-        rows += _rows_of_model(args, layout, name, device, num_classes)
-    seg = layout.task == SEGMENTATION
+        rows += _rows_of_model(args, folder, name, device, num_classes)
+    seg = folder.task == SEGMENTATION
     header, body = (report.segmentation_table if seg else report.classification_table)(rows)
     print(table(header, body))
     record = {
-        "task": layout.task,
+        "task": folder.task,
         "data": str(args.data),
-        "classes": layout.classes,
-        "val": "folder" if layout.val else f"split {args.val_split} of train",
+        "classes": folder.classes,
+        "val": "folder" if folder.val else f"split {args.val_split} of train",
         "rows": rows,
     }
     print(f"results: {report.write_results(Path(args.out), record)}")
     if len(rows) > 1:
-        print(report.write_chart(Path(args.out), rows, layout.task))
+        print(report.write_chart(Path(args.out), rows, folder.task))
     return 0

@@ -135,14 +135,14 @@ def split_features(
 ) -> SplitFeatures:
     """The split's features for every block of `how`, from the cache where it has them, else computed and
     cached chunk by chunk (so an interrupted run resumes from the last whole chunk)."""
-    planned = chunks(split, [[p, *([masks[i]] if masks else [])] for i, p in enumerate(images)])
-    todo = [c for c in planned if not all(cache.has(b, c) for b in how.blocks)]
+    chunked = chunks(split, [[p, *([masks[i]] if masks else [])] for i, p in enumerate(images)])
+    todo = [c for c in chunked if not all(cache.has(b, c) for b in how.blocks)]
     result = SplitFeatures({b: {} for b in how.blocks}, [])
     per_block: dict[int, list] = {b: [] for b in how.blocks}
     masks_found = []
     total = sum(len(c.members) for c in todo)
     with tqdm(total=total, desc=desc, unit="image", file=sys.stderr, disable=None if total else True) as bar:
-        for chunk in planned:
+        for chunk in chunked:
             missing = [b for b in how.blocks if not cache.has(b, chunk)]
             if missing:
                 result.computed += _compute(chunk, images, masks, how, cache, missing, bar)

@@ -1,8 +1,8 @@
 """The PCA pictures of a model's patch features, streamed, so that memory is bounded by a batch, not the images.
 
-Before any pixel is decoded every image is planned from its header (`plan_images`): where it goes (resized,
+Before any pixel is decoded every image is planned from its header (`measure_images`): where it goes (resized,
 centre-cropped to whole patches), within the pixel limit and the patches an image may have (`MAX_PATCHES`, the
-time bound). `feature_run.plan_line` then states what the run holds at its peak and refuses what would not
+time bound). `feature_run.run_line` then states what the run holds at its peak and refuses what would not
 fit. The run reads, resizes, forwards and spools one batch at a time (`Spool`: a file beside the output, read
 back through the page cache), fitting the PCA as the features stream by (`dense.PcaFit`: its memory is
 `C x C`); the pictures are then drawn from the spool, one image at a time.
@@ -78,7 +78,7 @@ class ImageJob:
         return ImageJob(self.path, self.source, resized, crop, self.patch)
 
 
-def plan_images(paths: Sequence[Path], size: int | None, patch: int) -> list[ImageJob]:
+def measure_images(paths: Sequence[Path], size: int | None, patch: int) -> list[ImageJob]:
     """Each image planned from its header (nothing decoded): a problem with any is one error before any forward."""
     if size is not None and size < patch:
         raise CliError(f"--size {size} is below one patch ({patch} px) of the model; pass --size {patch} or more")

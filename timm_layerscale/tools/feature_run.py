@@ -24,7 +24,7 @@ from ..checkpoints.write.writers import atomic_destination, staged_into
 from .feature_memory import Peak, available_memory, largest_size, peak_bytes, spool_bytes
 from .feature_pictures import SPOOL_NAME, ImageJob, Spool, draw_all, free_disk, run_forwards
 
-__all__ = ["DTYPES", "FeatureSettings", "Loaded", "Need", "need", "plan_line", "write_feature_pictures"]
+__all__ = ["DTYPES", "FeatureSettings", "Loaded", "Need", "need", "run_line", "write_feature_pictures"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -101,7 +101,7 @@ def need(loaded: Loaded, jobs: Sequence[ImageJob], settings: FeatureSettings, de
     return Need(weights_bytes(loaded.model, element) if device.type != "cpu" else 0, peak)
 
 
-def plan_line(loaded: Loaded, jobs: list[ImageJob], settings: FeatureSettings, device: torch.device, out: Path) -> str:
+def run_line(loaded: Loaded, jobs: list[ImageJob], settings: FeatureSettings, device: torch.device, out: Path) -> str:
     """What the run will hold at its peak, in one line; a run that would not fit in memory is refused with the
     largest --size that does, one whose spool would not fit on the disk beside `out` too."""
     counted = need(loaded, jobs, settings, device)
@@ -160,7 +160,7 @@ def write_feature_pictures(
     layer = block_index(settings.layer, len(model.blocks))
     data_cfg = resolve_data_config({}, model=model)
     say(f"model: {loaded.name}; weights: {loaded.source}")
-    say(plan_line(loaded, jobs, settings, device, out))
+    say(run_line(loaded, jobs, settings, device, out))
     model.to(device, dtype)
     joint = settings.joint(jobs)
     with output_folder(out, settings.overwrite) as staged:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .base import CONFIG_FILE, WEIGHTS_FILE, Format, Job, SourceConfig, WritePlan
+from .base import CONFIG_FILE, WEIGHTS_FILE, Format, Job, PreparedWrite, SourceConfig
 from .foreign import foreign_family
 from .hf import HF
 from .meta import META, native_keys
@@ -37,8 +37,8 @@ __all__ = [
     "WEIGHTS_FILE",
     "Format",
     "Job",
+    "PreparedWrite",
     "SourceConfig",
-    "WritePlan",
     "get_format",
     "recognise",
     "register_format",

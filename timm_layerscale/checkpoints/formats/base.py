@@ -1,9 +1,9 @@
 """What every format module fills in, and what they share: the format's place in a conversion (`Job` in,
-`WritePlan` out), config field tables read and written the same way, gammas of 1, and what a target cannot hold.
+`PreparedWrite` out), config field tables read and written the same way, gammas of 1, and what a target cannot hold.
 
 A format owns its two-way key table, how it is recognised, its config fields (both ways), its target options,
 what it cannot hold, and its writer. `convert_checkpoint` opens, identifies, plans and hands the format a `Job`;
-the format answers with an `WritePlan`: its tensors, how to write them, and what it loses.
+the format answers with an `PreparedWrite`: its tensors, how to write them, and what it loses.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Job:
 
 
 @dataclass
-class WritePlan:
+class PreparedWrite:
     tensors: Plan  # in the format's keys
     write: Callable[[Path, Progress | None], None]  # into the temporary destination
     not_held: list[str]
@@ -156,7 +156,7 @@ class Format:
         """Its own options (`takes`), checked (and parsed) before any work."""
         return dict(options)
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         """Its tensors from the job's native ones, how to write them, and what it cannot hold."""
         raise NotImplementedError(f"{self.name} cannot be written")
 

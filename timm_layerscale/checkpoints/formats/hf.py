@@ -31,8 +31,8 @@ from .base import (
     ConfigField,
     Format,
     Job,
+    PreparedWrite,
     SourceConfig,
-    WritePlan,
     ffn_args,
     fuse,
     gamma_branches,
@@ -257,7 +257,7 @@ class HuggingFace(Format):
             args.update(_ffn_args({**cfg, "intermediate_size": args["embed_dim"] * 4}))
         return SourceConfig(args)
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         config = job.config
         sapiens2 = self.holding(config).layout == "sapiens2"  # Sapiens2Model: a k bias in every block
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, gamma_branches(config))
@@ -271,7 +271,7 @@ class HuggingFace(Format):
             write_sharded_safetensors(tmp, out, job.max_shard_size, bar)
             write_text(tmp / CONFIG_FILE, json.dumps(cfg, indent=2))
 
-        return WritePlan(out, write, not_held, warnings)
+        return PreparedWrite(out, write, not_held, warnings)
 
 
 HF = HuggingFace()

@@ -17,7 +17,7 @@ from .base import (
     META_TITLE,
     Format,
     Job,
-    WritePlan,
+    PreparedWrite,
     gamma_branches,
     native_keys,
     not_held_report,
@@ -35,7 +35,7 @@ class Meta(Format):
     def recognise(self, keys: Sequence[str]) -> bool:
         return native_keys(keys)
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         config = job.config
         self.holding(config)
         branches = gamma_branches(config)
@@ -44,7 +44,7 @@ class Meta(Format):
         self.check_holds(config, unheld)
         not_held, warnings = not_held_report(unheld, self.name)
         writer = write_safetensors if job.dst.suffix == ".safetensors" else write_torch_file
-        return WritePlan(out, lambda tmp, bar: writer(tmp, out, progress=bar), not_held, warnings)
+        return PreparedWrite(out, lambda tmp, bar: writer(tmp, out, progress=bar), not_held, warnings)
 
 
 META = Meta()

@@ -43,7 +43,7 @@ from .base import (
     PERIODS,
     Format,
     Job,
-    WritePlan,
+    PreparedWrite,
     gamma_branches,
     not_held_report,
     with_all_gammas,
@@ -414,7 +414,7 @@ class MetaTrain(Format):
             checked["meta_config"] = heads_from_config(checked["meta_config"])
         return checked
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         """Meta's trainer's keys: `backbone.` + Meta's backbone keys, and the carried or new heads."""
         config = job.config
         self.holding(config)
@@ -437,7 +437,7 @@ class MetaTrain(Format):
         notes.append(f"written in {'/'.join(sorted(str(dtype).removeprefix('torch.') for dtype in floating))}")
         bias_mask = any(k.endswith("attn.qkv.bias_mask") for k in backbone)
         yaml_lines = meta_yaml(job.dst.resolve(), sizes, config, layer_scale, bias_mask)
-        return WritePlan(plan, _writer(plan, job.dst), not_held, warnings + head_warnings, notes, yaml_lines)
+        return PreparedWrite(plan, _writer(plan, job.dst), not_held, warnings + head_warnings, notes, yaml_lines)
 
 
 def _writer(plan: Plan, dst: Path) -> Callable[[Path, Progress | None], None]:

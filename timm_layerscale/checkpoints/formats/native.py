@@ -23,8 +23,8 @@ from .base import (
     WEIGHTS_FILE,
     Format,
     Job,
+    PreparedWrite,
     SourceConfig,
-    WritePlan,
     native_keys,
     pretrained_cfg_fields,
     pretrained_cfg_of,
@@ -98,14 +98,14 @@ class Native(Format):
             VitLsConfig.check_value(name, value, f"{where}: model_args")
         return SourceConfig(args, pretrained_cfg_of(cfg, where), str(cfg["architecture"]))
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         tensors, config = job.tensors, job.config
         self.holding(config)  # every shipped family's record names native; one added may not
 
         def write(tmp: Path, bar: Progress | None) -> None:
             write_native_files(tmp, tensors, config, job.architecture, job.pretrained_cfg, bar)
 
-        return WritePlan(tensors, write, [], [])
+        return PreparedWrite(tensors, write, [], [])
 
 
 NATIVE = Native()

@@ -21,7 +21,7 @@ from ..mapping.gamma_keys import NATIVE_SPELLING, gamma_name
 from ..mapping.keys import KeyTable, row
 from ..mapping.plan import Plan
 from ..write.writers import write_safetensors, write_torch_file
-from .base import Format, Job, WritePlan, fuse, gamma_branches, not_held_report, split3, with_all_gammas
+from .base import Format, Job, PreparedWrite, fuse, gamma_branches, not_held_report, split3, with_all_gammas
 
 Tensor = torch.Tensor
 GAMMA = "attn.gamma.weight"
@@ -87,7 +87,7 @@ class Sapiens2(Format):
             or "patch_embed.projection.weight" in keys
         )
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         config = job.config
         self.holding(config)  # upstream's code builds every model from its arch name, with what the record fixes
         branches = gamma_branches(config)
@@ -98,7 +98,7 @@ class Sapiens2(Format):
         if "mask_token" in unheld:
             not_held.append("mask_token (Sapiens2's released backbones have none)")
         writer = write_safetensors if job.dst.suffix == ".safetensors" else write_torch_file
-        return WritePlan(out, lambda tmp, bar: writer(tmp, out, progress=bar), not_held, warnings)
+        return PreparedWrite(out, lambda tmp, bar: writer(tmp, out, progress=bar), not_held, warnings)
 
 
 SAPIENS2 = Sapiens2()

@@ -35,8 +35,8 @@ from .base import (
     ConfigField,
     Format,
     Job,
+    PreparedWrite,
     SourceConfig,
-    WritePlan,
     ffn_args,
     fuse,
     gamma_branches,
@@ -276,7 +276,7 @@ class TimmEva(Format):
             variant,
         )
 
-    def plan_write(self, job: Job) -> WritePlan:
+    def prepare_write(self, job: Job) -> PreparedWrite:
         config = job.config
         layout = self.holding(config).layout  # eva's table of the family: DINOv3's or Sapiens2's
         full = with_all_gammas(job.tensors, config.depth, config.embed_dim, job.fill_dtype, gamma_branches(config))
@@ -304,7 +304,7 @@ class TimmEva(Format):
             write_safetensors(tmp / WEIGHTS_FILE, out, progress=bar)
             write_text(tmp / CONFIG_FILE, json.dumps(cfg, indent=2))
 
-        return WritePlan(out, write, not_held, warnings)
+        return PreparedWrite(out, write, not_held, warnings)
 
 
 TIMM = TimmEva()

@@ -16,7 +16,7 @@ import torch
 from ...layers import RopeEmbedding, effective_qkv_bias, k_bias_mask
 from ..errors import CheckpointError
 from .gamma_keys import NATIVE_GAMMA_KEY
-from .layer_scale import LayerScalePlan, plan_layer_scale, suspicious_gammas
+from .layer_scale import GammaDecisions, decide_layer_scale, suspicious_gammas
 from .plan import PERIODS, Plan, Step, TensorInfo
 
 Tensor = torch.Tensor
@@ -62,7 +62,7 @@ class Fitted:
     plan: Plan  # the model's keys, in its order
     filled: list[str]
     dropped: list[str]
-    layer_scale: LayerScalePlan
+    layer_scale: GammaDecisions
     warnings: list[str]
 
     def report(self, first_line: str | None = None, warnings: bool = True) -> list[ReportLine]:
@@ -117,7 +117,7 @@ def fit_to_model(
     steps: dict[str, Step] = {k: Step((k,), (k,)) for k in infos}
     dropped = _drop_what_the_model_lacks(infos, expected, steps)
     strict = getattr(config, "strict_layer_scale", False)
-    layer_scale = plan_layer_scale(
+    layer_scale = decide_layer_scale(
         infos, expected, strict=strict, reinit=reinit_layer_scale, variant_has=variant_layer_scale
     )
     for key in layer_scale.restarted:

@@ -42,7 +42,7 @@ def _fold(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor, 
 
 
 @dataclass
-class LayerScalePlan:
+class GammaDecisions:
     """What loading does with each gamma: keep it, fold it into `proj` before it, set it to 1, or restart it
     at its `init_values` (`reinit_layer_scale` on a pretrained load). `variant_has` are the branches the
     variant named for the model has LayerScale on, where the checkpoint's keys built it without."""
@@ -89,13 +89,13 @@ class LayerScalePlan:
         return "LayerScale: " + ("; ".join(parts) if parts else "off in both checkpoint and model")
 
 
-def plan_layer_scale(
+def decide_layer_scale(
     infos: Mapping[str, TensorInfo],
     expected: Mapping[str, Any],
     strict: bool = False,
     reinit: bool = False,
     variant_has: tuple[str, ...] = (),
-) -> LayerScalePlan:
+) -> GammaDecisions:
     """Matches the checkpoint's gammas (native keys) to the model's LayerScale setting; nothing is read.
 
     `reinit` restarts every gamma the model holds at its init value instead (LayerScale's muted start on a
@@ -118,14 +118,14 @@ def plan_layer_scale(
     kept = sorted(file_gammas & model_gammas, key=_block_order)
     missing = sorted(model_gammas - file_gammas, key=_block_order)
     if reinit:
-        return LayerScalePlan([], folded, [], sorted(kept + missing, key=_block_order), variant_has)
+        return GammaDecisions([], folded, [], sorted(kept + missing, key=_block_order), variant_has)
     if missing and strict:
         raise CheckpointError(
             f"the checkpoint has no LayerScale gammas ({missing[0]} and {len(missing) - 1} more) but the model "
             f"has LayerScale on; build it with init_values=0 to match the checkpoint, or leave "
             f"strict_layer_scale off to set the gammas to 1"
         )
-    return LayerScalePlan(kept, folded, missing, [], variant_has)
+    return GammaDecisions(kept, folded, missing, [], variant_has)
 
 
 def _block_order(key: str) -> tuple[int, int]:
