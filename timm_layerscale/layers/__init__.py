@@ -1,7 +1,7 @@
 from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask, qkv_sizes, split_qkv
 from .block import Block
 from .ffn import FFN_LAYERS, SwiGLU, ffn_hidden_features, swiglu_hidden_features
-from .layer_scale import LayerScale, fold_gamma, layer_scale_or_identity
+from .layer_scale import LayerScale, add_scaled, fold_gamma, layer_scale_or_identity
 from .naflex_batch import NaFlexBatch, read_naflex_batch
 from .naflex_embed import embed_patches
 from .naflex_grid import naflex_patch_centres, padding_key_mask
@@ -19,6 +19,7 @@ __all__ = [
     "NaFlexBatch",
     "RopeEmbedding",
     "SwiGLU",
+    "add_scaled",
     "apply_rope",
     "effective_qkv_bias",
     "embed_patches",

@@ -5,9 +5,12 @@ from timm.layers import DropPath, Mlp, register_notrace_function
 from torch import nn
 
 from .attention import Attention
-from .layer_scale import layer_scale_or_identity
+from .layer_scale import add_scaled, layer_scale_or_identity
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None
+
+# torch.fx.wrap patches the name in the module that calls it: one call in every FX graph here too.
+torch.fx.wrap("add_scaled")
 
 
 @torch.fx.wrap  # one call in every FX graph (timm's tracer reads its own list): the subset size is a number
@@ -81,10 +84,14 @@ class Block(nn.Module):
         self.mlp = mlp_layer(dim, mlp_hidden or 4 * dim, bias=ffn_bias, drop=proj_drop)
         self.ls2 = layer_scale_or_identity(dim, init_values[1])
         self.sample_drop_rate = drop_path if stochastic_depth == "sample_drop" else 0.0
-        self.drop_path = DropPath(drop_path) if stochastic_depth == "drop_path" and drop_path > 0 else nn.Identity()
+        self.drops_path = stochastic_depth == "drop_path" and drop_path > 0
+        self.drop_path = DropPath(drop_path) if self.drops_path else nn.Identity()
+
+    def _attn(self, x: torch.Tensor, rope: Rope, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.attn(self.norm1(x), rope, attn_mask)
 
     def _attn_branch(self, x: torch.Tensor, rope: Rope, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        return self.ls1(self.attn(self.norm1(x), rope, attn_mask))
+        return self.ls1(self._attn(x, rope, attn_mask))
 
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
         return self.ls2(self.mlp(self.norm2(x)))
@@ -96,5 +103,16 @@ class Block(nn.Module):
             x = torch.index_add(x, 0, index, self._attn_branch(x[index], sub_rope, sub_mask).to(x.dtype), alpha=scale)
             index, scale = random_subset(x, self.sample_drop_rate)
             return torch.index_add(x, 0, index, self._mlp_branch(x[index]).to(x.dtype), alpha=scale)
-        x = x + self.drop_path(self._attn_branch(x, rope, attn_mask))
-        return x + self.drop_path(self._mlp_branch(x))
+        if self.training and self.drops_path:
+            x = x + self.drop_path(self._attn_branch(x, rope, attn_mask))
+            return x + self.drop_path(self._mlp_branch(x))
+        # Without a drop path LayerScale joins the residual add (`add_scaled`); a folded or switched-off one (no
+        # gamma) is a plain sum. `hasattr` is settled when traced or scripted. No branch output is kept in a
+        # local: the attention's is freed before the MLP's peak.
+        if hasattr(self.ls1, "gamma"):
+            x = add_scaled(x, self._attn(x, rope, attn_mask), self.ls1.gamma)
+        else:
+            x = x + self._attn_branch(x, rope, attn_mask)
+        if hasattr(self.ls2, "gamma"):
+            return add_scaled(x, self.mlp(self.norm2(x)), self.ls2.gamma)
+        return x + self._mlp_branch(x)
