@@ -133,3 +133,22 @@ def test_bf16_in_place_path_is_captured_by_torchscript_and_torch_compile():
             scripted = torch.jit.script(model)
         assert torch.equal(scripted(x), eager)
         assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), eager)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_a_batch_rotated_image_by_image_is_the_whole_batch_rotated(dtype):
+    """Eager on a CPU the in-place rotation goes one image at a time: the same bits as one image alone, with
+    one grid's tables or a NaFlex batch's own tables per image."""
+    qkv, rope = qkv_and_rope(dtype, seed=3)
+    qk = qkv[:, :, : 2 * HEADS]
+    shared = heads(rope)
+    batch = apply_rope_into(qk.clone(), shared)
+    for i in range(qk.shape[0]):
+        assert torch.equal(batch[i : i + 1], apply_rope_into(qk[i : i + 1].clone(), shared))
+    # one grid per image: the tables of a second grid for every other image
+    other = RopeEmbedding(HEAD_DIM, num_prefix_tokens=PREFIX, round_periods_to_bf16=False)(*reversed(GRID))
+    per_image = [torch.stack([t, u, t, u]) for t, u in zip(shared, heads(other), strict=True)]
+    batch = apply_rope_into(qk.clone(), tuple(per_image))
+    for i, tables in enumerate((shared, heads(other)) * 2):
+        assert torch.equal(batch[i : i + 1], apply_rope_into(qk[i : i + 1].clone(), tables))
+    assert not torch.equal(batch[1:2], apply_rope_into(qk[1:2].clone(), shared))

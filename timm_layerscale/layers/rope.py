@@ -171,7 +171,21 @@ def apply_rope_into(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) ->
     One upcast copy of `x` on a CPU, where each mixed-dtype product would make its own; the two sine terms are
     added in place (`addcmul_`), so no swapped copy exists. A fused multiply-add may round once where
     `apply_rope` rounds twice: after rounding to `x`'s dtype the value is `apply_rope`'s or one unit off.
+    Eager on a CPU, a batch is rotated one image at a time: the fp32 temporaries of one image's q and k, where
+    those of the whole batch would be allocated and touched afresh at every block (twice as slow at ViT-B's
+    four images).
     """
+    if torch.jit.is_scripting() or x.device.type != "cpu" or x.shape[0] == 1:
+        return _rotate_into(x, rope)
+    if torch.compiler.is_compiling():
+        return _rotate_into(x, rope)
+    per_image = rope[0].dim() == x.dim()  # a NaFlex batch's tables, one grid per image
+    for i, image in enumerate(x.unbind(0)):
+        _rotate_into(image, (rope[0][i], rope[1][i]) if per_image else rope)
+    return x
+
+
+def _rotate_into(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     signed_sin, cos = rope
     half = x.shape[-1] // 2
     wide = x.to(cos.dtype) if x.device.type == "cpu" else x
