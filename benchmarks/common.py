@@ -33,8 +33,7 @@ from timm_layerscale.checkpoints.formats.base import hidden_features
 from timm_layerscale.checkpoints.formats.hf import HF as HF_FORMAT
 from timm_layerscale.checkpoints.formats.hf import transformers_config
 from timm_layerscale.checkpoints.formats.timm import TIMM
-
-from .cpu import cpu_model
+from timm_ls.cpu import cpu_model
 
 logging.getLogger("timm_layerscale").setLevel(logging.ERROR)  # random weights trip the untrained-gamma warning
 

@@ -34,9 +34,10 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from timm_ls.cpu import REPORTED_FLAGS, bf16_matrix_path, cpu_flags, cpu_model
+
 from . import families as family_anchors
 from .common import EVA, OURS, build_trio, markdown, median_ms, randomise_, ratio_stats, round_robin
-from .cpu import REPORTED_FLAGS, bf16_matrix_path, cpu_flags, cpu_model
 
 PLAIN, GEMM = "plain ViT", "gemm"
 PLAIN_NAMES = {"small": "vit_small_patch16_224", "base": "vit_base_patch16_224"}

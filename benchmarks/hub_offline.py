@@ -29,7 +29,7 @@ from datetime import date
 from importlib.metadata import version
 from pathlib import Path
 
-from .cpu import cpu_model
+from timm_ls.cpu import cpu_model
 
 TARGET_S = 5.0
 IMPORTS = "import torch, timm, timm_layerscale"

@@ -1,4 +1,5 @@
-"""The CPU a benchmark ran on, read without torch (the subprocess benchmarks keep their parent free of it)."""
+"""The CPU this runs on and its bf16 matrix units, read from /proc/cpuinfo without torch: `timm-ls features`
+says in its plan line whether bf16 runs on them, and the benchmarks name the CPU they measured."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def bf16_units(flags: set[str]) -> str | None:
+    """The fastest bf16 matrix units these flags offer, None where there are none."""
+    return next((path for flag, path in BF16_MATRIX_FLAGS.items() if flag in flags), None)
+
+
 def bf16_matrix_path(flags: set[str]) -> str:
     """The fastest bf16 GEMM path these flags offer, or that there is none."""
-    found = next((path for flag, path in BF16_MATRIX_FLAGS.items() if flag in flags), None)
-    return found or "none: no amx_bf16 or avx512_bf16, so bf16 GEMMs widen to fp32 in software"
+    return bf16_units(flags) or "none: no amx_bf16 or avx512_bf16, so bf16 GEMMs widen to fp32 in software"

@@ -116,7 +116,8 @@ def test_save_writes_the_tokens_with_grid_layer_and_model(weights, tmp_path, cap
     image = draw_image(tmp_path / "a.png", (200, 150), 3)  # resized to a shorter side of 64: 85x64, cropped 80x64
     args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
     assert main([*args, "--size", "64", "--layer", "0", "--out", str(tmp_path / "out"), "--save"]) == 0
-    assert "plan: 1 image" in capsys.readouterr().out
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan: 1 image"))
+    assert plan.endswith("; fp32 on cpu")
     with safe_open(tmp_path / "out" / "a_features.safetensors", "pt") as saved:
         meta, tokens = saved.metadata(), saved.get_tensor("features")
     assert tokens.shape == (4, 5, 384)
@@ -408,3 +409,23 @@ def test_images_of_one_size_in_one_batch_are_fitted_together(weights, tmp_path):
     for image, colours in zip(images, expected):
         got = right_half_at_patch_centres(tmp_path / "out" / f"{image.stem}_pca.png", 16)
         assert np.abs(got - colours).max() <= 1
+
+
+def test_the_plan_says_whether_bf16_runs_on_the_cpus_matrix_units():
+    cpu = torch.device("cpu")
+    amx = feature_run.precision("bf16", cpu, {"avx2", "avx512_bf16", "amx_bf16"})
+    assert amx == "bf16 on this CPU's bf16 matrix units (AMX-BF16 tiles)"
+    assert feature_run.precision("bf16", cpu, {"avx512_bf16"}).endswith("(AVX-512 BF16 dot products (vdpbf16ps))")
+    assert "without bf16 matrix units" in feature_run.precision("bf16", cpu, {"avx2", "avx512f"})
+    assert feature_run.precision("fp32", cpu, set()) == "fp32 on cpu"
+    assert feature_run.precision("bf16", torch.device("cuda"), set()) == "bf16 on cuda"
+
+
+def test_a_bf16_run_names_this_cpus_bf16_path_in_its_plan(weights, tmp_path, capsys):
+    _, file = weights[OURS]
+    image = draw_image(tmp_path / "a.png", (64, 64), 4)
+    args = ["features", str(image), "--model", OURS, "--checkpoint", str(file), "--model-kwargs", "depth=2"]
+    assert main([*args, "--size", "32", "--dtype", "bf16", "--out", str(tmp_path / "out")]) == 0
+    plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan: "))
+    assert plan.endswith("; " + feature_run.precision("bf16", torch.device("cpu")))
+    assert "bf16 on " in plan

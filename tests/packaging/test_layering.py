@@ -25,6 +25,7 @@ LAYERS = (
     ("timm_ls.plain_yaml", -1),
     ("timm_ls.image_folder", -1),
     ("timm_ls.layer_sets", -1),
+    ("timm_ls.cpu", -1),
     ("families", 0),  # the family records: below config, which records a family and is checked by its record
     ("config", 0),
     ("layers", 1),

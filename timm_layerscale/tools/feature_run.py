@@ -17,6 +17,7 @@ import torch
 from timm.data import resolve_data_config
 from torch import nn
 
+from timm_ls.cpu import bf16_units, cpu_flags
 from timm_ls.errors import CliError
 
 from ..checkpoints.errors import CheckpointError
@@ -24,7 +25,7 @@ from ..checkpoints.write.writers import atomic_destination, staged_into
 from .feature_memory import Peak, available_memory, largest_size, peak_bytes, spool_bytes
 from .feature_pictures import SPOOL_NAME, ImageJob, Spool, draw_all, free_disk, run_forwards
 
-__all__ = ["DTYPES", "FeatureSettings", "Loaded", "Need", "need", "run_line", "write_feature_pictures"]
+__all__ = ["DTYPES", "FeatureSettings", "Loaded", "Need", "need", "precision", "run_line", "write_feature_pictures"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -120,8 +121,20 @@ def run_line(loaded: Loaded, jobs: list[ImageJob], settings: FeatureSettings, de
     where = f" of {free / 2**30:.1f} GiB available" if free is not None else ""
     return (
         f"plan: {_count(len(jobs), 'image')}; at the peak ({counted.peak.phase} {_count(n, 'image')} of "
-        f"{job.crop[0]}x{job.crop[1]} px, {job.patches} patches each) about {counted.total / 2**30:.2f} GiB{where}"
+        f"{job.crop[0]}x{job.crop[1]} px, {job.patches} patches each) about {counted.total / 2**30:.2f} GiB{where}; "
+        + precision(settings.dtype, device)
     )
+
+
+def precision(dtype: str, device: torch.device, flags: set[str] | None = None) -> str:
+    """The run's dtype and where it runs; for bf16 on a CPU, whether the CPU (its `flags`, else
+    /proc/cpuinfo's) has bf16 matrix units, without which bf16 is slower than fp32."""
+    if dtype != "bf16" or device.type != "cpu":
+        return f"{dtype} on {device.type}"
+    units = bf16_units(cpu_flags() if flags is None else flags)
+    if units:
+        return f"bf16 on this CPU's bf16 matrix units ({units})"
+    return "bf16 on a CPU without bf16 matrix units (no amx_bf16 or avx512_bf16): slower than --dtype fp32 here"
 
 
 def check_disk(jobs: Sequence[ImageJob], dim: int, save: bool, out: Path) -> None:
