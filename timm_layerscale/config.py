@@ -18,7 +18,7 @@ from timm_ls.layer_sets import FEATURE_LAYER_NAMES as FEATURE_LAYER_NAMES
 from timm_ls.layer_sets import feature_layers as feature_layers
 from timm_ls.plain_yaml import load_text
 
-from .families import family_problem, is_family
+from .families import FAMILIES, family_problem, is_family
 
 FFN_LAYERS = ("mlp", "swiglu")
 NORM_LAYERS = ("layernorm", "rmsnorm")
@@ -41,10 +41,15 @@ class UnknownConfigKeyError(TypeError, ValueError):
 
 @dataclass(frozen=True)
 class Rule:
-    """What a field allows: the check and the words of the one-line error naming it."""
+    """What a field allows: the check and the words of the one-line error naming it (`words`, or a function giving
+    them when the error is made, for what a registry allows)."""
 
     check: Callable[[Any], bool]
-    allowed: str
+    words: str | Callable[[], str]
+
+    @property
+    def allowed(self) -> str:
+        return self.words() if callable(self.words) else self.words
 
 
 def _is_int(value: Any) -> bool:
@@ -131,7 +136,7 @@ KV_HEADS = Rule(
 )
 
 
-FAMILY = Rule(is_family, "a registered family: dinov3, lingbot, sapiens2, or one added by register_family")
+FAMILY = Rule(is_family, lambda: f"a registered family: {', '.join(FAMILIES)}, or one added by register_family")
 
 
 def one_of(choices: tuple[str, ...]) -> Rule:

@@ -26,6 +26,7 @@ from timm_ls.names import FORMATS
 from timm_ls.parsers import COMMANDS, DEFAULT_COMMAND, make_parser
 
 from .cli.listing import licence_text, listing, registered_variants
+from .families import family_record
 from .variants import VARIANTS
 
 __all__ = ["PAGES", "generated_sections", "main", "render", "rendered_sections", "stale_pages"]
@@ -36,21 +37,21 @@ MARKED = re.compile(r"(<!-- generated: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!--
 OPENING = re.compile(r"<!-- generated: ([\w-]+) -->")
 REGENERATE = "python -m timm_layerscale.docs_tables --write"
 
-# A variant's family is the last part of its name (`vit_ls_base_patch16_<family>`); a tag's weights are of
-# another family where the tag starts with one of WEIGHT_FAMILIES (EUPE's weights in DINOv3's architecture).
-FAMILIES = {"dinov3": "DINOv3", "lingbot": "LingBot-Vision", "sapiens2": "Sapiens2"}
+# A variant's family is the one its config records, named by its record's title; a tag's weights are of another
+# family sharing that record where the tag starts with one of WEIGHT_FAMILIES (EUPE's weights in DINOv3's
+# architecture), which the title names too ("DINOv3, EUPE") and the architecture's own name leaves out.
 WEIGHT_FAMILIES = {"eupe": "EUPE"}
 USAGE_WIDTH = 110
 LISTED_ROWS = 3  # the rows of `timm-ls list` its page shows, before "..."
 
 
 def variant_families(name: str, tags: Sequence[str]) -> list[str]:
-    """The families of a variant's weights, in tag order (the architecture's family where it has no tags)."""
-    suffix = name.rpartition("_")[2]
-    if suffix not in FAMILIES:
-        raise ValueError(f"variant {name}: no family is named {suffix!r}; add it to docs_tables.FAMILIES")
-    found = [next((f for p, f in WEIGHT_FAMILIES.items() if tag.startswith(p)), FAMILIES[suffix]) for tag in tags]
-    return list(dict.fromkeys(found or [FAMILIES[suffix]]))
+    """The families of a variant's weights, in tag order (the architecture's family where it has no tags), by
+    the family its config records."""
+    title = family_record(VARIANTS[name].config.family).title
+    own = ", ".join(t for t in title.split(", ") if t not in WEIGHT_FAMILIES.values()) or title
+    found = [next((f for p, f in WEIGHT_FAMILIES.items() if tag.startswith(p)), own) for tag in tags]
+    return list(dict.fromkeys(found or [own]))
 
 
 def _layer_scale(attn: float | None, mlp: float | None) -> str:

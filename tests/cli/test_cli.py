@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shlex
@@ -20,6 +21,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 import timm_layerscale
+from timm_layerscale.cli.common import is_warning, load_report
 from timm_layerscale.cli.listing import _shipped as listing_shipped
 from timm_ls.errors import CliError
 from timm_ls.main import main
@@ -377,3 +379,16 @@ def test_debug_goes_before_the_default_command_too(files: Path, capsys) -> None:
         main(["--debug", "--variant", absent])
     assert main(["--variant", absent]) == 2
     assert capsys.readouterr().err.startswith("timm-ls: error: variant file ")
+
+
+def test_a_load_reports_lines_are_warnings_by_their_level_not_their_words():
+    """A commands' load report keeps each line's level: an information line that begins with "warning: " is not
+    a warning, and a warning's line is marked and gives its message alone."""
+    logger = logging.getLogger("timm_layerscale")
+    with load_report() as report:
+        logger.info("warning: a word, not a level")
+        logger.warning("gammas look untrained")
+    info, warning = report
+    assert not is_warning(info) and info == "warning: a word, not a level"
+    assert is_warning(warning) and warning == "warning: gammas look untrained"
+    assert warning.message == "gammas look untrained"

@@ -40,6 +40,8 @@ from timm_layerscale.checkpoints.formats.base import (
 )
 from timm_layerscale.checkpoints.mapping.keys import KeyTable, row
 from timm_layerscale.checkpoints.write.writers import write_safetensors
+from timm_layerscale.config import VitLsConfig
+from timm_layerscale.docs_tables import variant_families
 from timm_layerscale.publish import save_native
 from timm_ls.names import FILE, FormatSpec
 
@@ -149,3 +151,12 @@ def test_it_is_written_in_its_own_keys_read_back_by_its_own_rule_and_refused_els
         assert "\n" not in line and "cannot hold a toyvit model" in line, line
         assert line.endswith("convert --to native or toyvit instead"), line
         assert not (tmp_path / dst).exists()
+
+
+def test_the_docs_and_the_configs_refusal_name_it_from_its_record(toyvit):
+    """No table beside the record: the README's family column takes its title (EUPE's tag prefix aside), and a
+    family no record has is refused naming it among the registered ones."""
+    assert variant_families(NAME, []) == ["a made-up family"]
+    assert variant_families("vit_ls_base_patch16_dinov3", ["lvd1689m", "eupe_lvd1689m"]) == ["DINOv3", "EUPE"]
+    with pytest.raises(ValueError, match=r"family: got 'toy'; allowed: a registered family: dinov3, .*toyvit"):
+        VitLsConfig(family="toy")

@@ -19,6 +19,7 @@ from timm_ls.errors import CliError
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError, open_checkpoint
+from ..checkpoints.mapping.fit import ReportLine
 from ..config import shown
 from ..hub import HubError, fetch_hub_weights
 from ..identity import identify_checkpoint
@@ -94,10 +95,17 @@ def quiet_hub() -> Iterator[None]:
 
 
 @contextmanager
-def load_report() -> Iterator[list[str]]:
-    lines: list[str] = []
+def load_report() -> Iterator[list[ReportLine]]:
+    """The package's log lines while a model loads, each with the level it was logged at (`is_warning`); a
+    warning's line reads `warning: MESSAGE`."""
+    lines: list[ReportLine] = []
+
+    def keep(r: logging.LogRecord) -> None:
+        text = r.getMessage()
+        lines.append(ReportLine(f"warning: {text}" if r.levelno >= logging.WARNING else text, r.levelno, text))
+
     handler = logging.Handler(logging.INFO)
-    handler.emit = lambda r: lines.append(("warning: " if r.levelno >= logging.WARNING else "") + r.getMessage())
+    handler.emit = keep
     logger = logging.getLogger("timm_layerscale")
     old = logger.level, logger.propagate
     logger.addHandler(handler)
@@ -108,6 +116,11 @@ def load_report() -> Iterator[list[str]]:
     finally:
         logger.removeHandler(handler)
         logger.level, logger.propagate = old
+
+
+def is_warning(line: str) -> bool:
+    """Whether a report line was logged as a warning, by its level, never by its words."""
+    return isinstance(line, ReportLine) and line.level >= logging.WARNING
 
 
 def build(

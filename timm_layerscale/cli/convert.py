@@ -1,4 +1,4 @@
-"""`timm-ls convert SRC DST --to {native,meta,meta-train,hf,timm}`: a checkpoint into another layout."""
+"""`timm-ls convert SRC DST --to FORMAT` (`timm-ls convert --help` lists them): a checkpoint into another format."""
 
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ from .common import (
     CliError,
     build,
     build_from_checkpoint,
+    is_warning,
     load_report,
     parse_model_kwargs,
     resolve_variant,
@@ -307,14 +308,14 @@ def show_model(args: argparse.Namespace) -> int:
         model, source, name = _model_with_weights(args)
     model.eval()
     for line in report:
-        if line.startswith("warning: "):
-            warn(line[len("warning: ") :])
+        if is_warning(line):
+            warn(line.message)
     overrides = " ".join(args.model_kwargs)
     out = [
         f"variant: {name}{f' ({overrides})' if overrides else ''}",
         f"config: {VARIANTS[name.partition('.')[0]].source}",
         f"weights: {source}",
-        *(f"  {line}" for line in report if not line.startswith("warning: ")),
+        *(f"  {line}" for line in report if not is_warning(line)),
     ]
     data_cfg = resolve_data_config({}, model=model)
     prefix = model.num_prefix_tokens

@@ -22,7 +22,16 @@ from timm_ls.paths import image_files
 from ..tools.feature_pictures import measure_images
 from ..tools.feature_run import FeatureSettings, Loaded, write_feature_pictures
 from ..variants import VARIANTS
-from .common import CliError, build, build_from_checkpoint, load_report, parse_model_kwargs, resolve_variant, warn
+from .common import (
+    CliError,
+    build,
+    build_from_checkpoint,
+    is_warning,
+    load_report,
+    parse_model_kwargs,
+    resolve_variant,
+    warn,
+)
 
 
 def _timm_model(args: argparse.Namespace, name: str, kwargs: dict) -> tuple[nn.Module, str]:
@@ -53,8 +62,8 @@ def load_model(args: argparse.Namespace) -> Loaded:
                 model, source = build(args, variant, tag)
                 name = f"{variant.name}.{tag}" if tag else variant.name
         for line in report:
-            if line.startswith("warning: "):
-                warn(line.removeprefix("warning: "))
+            if is_warning(line):
+                warn(line.message)
     elif timm.is_model(name.partition(".")[0]):
         with torch.device("meta"):  # the architecture alone, checked before any weights are built or fetched
             _check_vit(name, timm.create_model(name))
