@@ -117,13 +117,16 @@ class Attention(nn.Module):
         batch, tokens, dim = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv(x).unflatten(-1, (heads + 2 * kv_heads, self.head_dim))
-        q, k, v = qkv.split([heads, kv_heads, kv_heads], dim=2)
+        # Slices, not `split`: views alike, and an exported graph gets Slice (a split of sizes is a sequence op
+        # there until an optimiser folds it)
+        q, k, v = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads], qkv[:, :, heads + kv_heads :]
         if self.normed_qk:  # per-head norms make q and k tensors of their own: rotated one by one
             q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 q, k = rotate_heads(q, rope), rotate_heads(k, rope)
         elif rope is not None:  # q's and k's heads side by side in qkv: rotated in one pass
-            q, k = rotate_heads(qkv[:, :, : heads + kv_heads], rope).split([heads, kv_heads], dim=2)
+            qk = rotate_heads(qkv[:, :, : heads + kv_heads], rope)
+            q, k = qk[:, :, :heads], qk[:, :, heads:]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_heads != heads:
             k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
