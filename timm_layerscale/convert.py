@@ -305,7 +305,7 @@ def _prepare(
     fitted = fit_to_model(
         native,
         expected_state(identity.config),
-        layout=keys,
+        format_title=keys,
         model_name=identity.name,
         config=identity.config,
         fill_dtype=fill_dtype,
