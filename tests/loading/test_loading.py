@@ -169,7 +169,7 @@ def test_an_overlay_without_a_file_loads_as_timm_does(images):
 
 def test_unrecognised_layout_names_what_it_saw(tmp_path):
     save_file({"conv1.weight": torch.zeros(2, 2), "fc.bias": torch.zeros(2)}, tmp_path / "resnet.safetensors")
-    with pytest.raises(CheckpointError, match=r"unrecognised checkpoint layout \(first keys: conv1.weight, fc.bias\)"):
+    with pytest.raises(CheckpointError, match=r"unrecognised checkpoint format \(first keys: conv1.weight, fc.bias\)"):
         from_file(tmp_path / "resnet.safetensors")
 
 
