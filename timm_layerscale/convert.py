@@ -58,7 +58,7 @@ class Conversion:
     kind: str
     destination: Path
     target: str
-    layout: str  # the source's format, by its --to name
+    source_format: str  # the source's format, by its --to name
     weights: str
     variant: str
     reason: str
@@ -73,11 +73,16 @@ class Conversion:
     notes: list[str] = field(default_factory=list)  # the target's own, e.g. meta-train's heads and dtype
     meta_yaml: str | None = None  # meta-train: the lines of Meta's training YAML that use the checkpoint
 
+    @property
+    def layout(self) -> str:
+        """The old name of `source_format`, still read."""
+        return self.source_format
+
     def summary(self) -> str:
         held = f"; not held by {self.target}: {', '.join(self.not_held)}" if self.not_held else ""
         notes = "".join(f"; {note}" for note in self.notes)
         return (
-            f"converted {self.source} ({self.kind}, {self.keys or self.layout}, weights: {self.weights}) to "
+            f"converted {self.source} ({self.kind}, {self.keys or self.source_format}, weights: {self.weights}) to "
             f"{self.target} "
             f"{self.destination}: {self.variant} ({self.reason}), {self.tensors} tensors, "
             f"{_size(self.nbytes)}, {self.seconds:.1f} s{notes}{held}"
@@ -159,7 +164,7 @@ class PreparedConversion:
             kind=ckpt.kind,
             destination=request.dst,
             target=request.target.name,
-            layout=self.source.name,
+            source_format=self.source.name,
             weights=ckpt.weights,
             variant=self.identity.full_name,
             reason=self.identity.reason,
@@ -300,7 +305,7 @@ def _prepare(
     fitted = fit_to_model(
         native,
         expected_state(identity.config),
-        layout=keys,
+        format_title=keys,
         model_name=identity.name,
         config=identity.config,
         fill_dtype=fill_dtype,

@@ -3,7 +3,7 @@
 Every pretrained source that reaches a variant's entrypoint loads here (a tag's Hub weights, `hf-hub:` and
 `local-dir:` models, `pretrained_cfg_overlay=dict(file=...)` with any source the reader reads, or
 `dict(state_dict=...)`). The model is built on the meta device, so nothing is allocated or initialised; the
-checkpoint is planned against it (layout, LayerScale rules and the load report as for any load), and each
+checkpoint is planned against it (format, LayerScale rules and the load report as for any load), and each
 tensor is then read, cast to the requested dtype, put on the requested device and assigned in place of its
 meta placeholder. Only what the checkpoint does not hold is computed (RoPE periods, k-bias masks, a new
 classifier head). What timm's own loader does after reading is done on the way: the classifier is dropped
@@ -140,5 +140,5 @@ def load_pretrained(
                 _assign(model, key, value)
                 progress.update(fitted.plan.info(key).nbytes)
         fitted.plan.release()
-    log_report(fitted.report(f"loaded a checkpoint with {fitted.layout}"))
+    log_report(fitted.report(f"loaded a checkpoint with {fitted.format_title}"))
     return model

@@ -111,7 +111,7 @@ def add_inspect(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "inspect",
         help="show the LayerScale gammas of a checkpoint, variant or timm model",
-        description="The source is a checkpoint file in any layout the package reads, a registered vit_ls name "
+        description="The source is a checkpoint file in any format the package reads, a registered vit_ls name "
         "(random, --pretrained or --checkpoint weights), a YAML variant file, or any timm model with LayerScale. "
         "Files are read lazily: only the gamma tensors leave the disk, so a 7B checkpoint takes seconds.",
     )
@@ -181,8 +181,8 @@ def add_run(commands: argparse._SubParsersAction) -> None:
 def add_convert(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "convert",
-        help="convert a checkpoint between Meta, transformers, timm eva and native layouts",
-        description="Convert a checkpoint into another layout, tensor by tensor, and say what the target cannot hold.",
+        help="convert a checkpoint between Meta, transformers, timm eva and native formats",
+        description="Convert a checkpoint into another format, tensor by tensor, and say what the target cannot hold.",
         epilog=CONVERT_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

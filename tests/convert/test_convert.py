@@ -121,7 +121,7 @@ def test_every_direction_loads_where_it_lands_with_the_sources_outputs(source, t
     dst = tmp_path / TARGET_PATHS[target]
     before = sorted(p.name for p in tmp_path.iterdir())
     result = convert(src, dst, target)
-    assert result.layout == {"meta": "meta", "native": "meta", "hf": "hf", "timm": "timm"}[source]
+    assert result.source_format == {"meta": "meta", "native": "meta", "hf": "hf", "timm": "timm"}[source]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, dst.name])  # nothing else left
     assert_fp32_close(tokens_from(target, dst, "mlp")(images), expected(images))
 
@@ -139,7 +139,8 @@ def test_a_dcp_training_folder_converts_its_ema_backbone(tmp_path, images):
     folder = tmp_path / "ckpt" / "99"
     dcp.save({"iteration": 99, "model": model}, storage_writer=dcp.FileSystemWriter(folder), no_dist=True)
     result = convert(folder, tmp_path / "hf", "hf")
-    assert (result.layout, result.weights) == ("meta", "model_ema")
+    assert (result.source_format, result.weights) == ("meta", "model_ema")
+    assert result.layout == result.source_format  # the old name, still read
     assert "distributed checkpoint" in result.summary()
     assert_fp32_close(tokens_from("hf", tmp_path / "hf", "mlp")(images), ema.forward_features(images))
 

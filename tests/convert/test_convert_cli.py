@@ -274,7 +274,8 @@ def test_a_native_folder_to_meta_summary_counts_its_model_arguments_and_json_lis
     assert len(summary) - len(str(native)) - len(str(files / "short.pth")) <= 200, summary
     assert main(["convert", str(native), str(files / "short.safetensors"), "--to", "meta", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["keys"] == "timm-layerscale keys" and result["layout"] == "native" and result["target"] == "meta"
+    assert result["keys"] == "timm-layerscale keys" and result["target"] == "meta"
+    assert result["source_format"] == result["layout"] == "native"  # `layout`: its old name, still written
     assert result["model_args"]["embed_dim"] == TINY["embed_dim"] and len(result["model_args"]) == 45
     assert result["summary"].startswith(f"converted {native} (Hub folder, timm-layerscale keys, weights: ")
     assert result["destination"] == str(files / "short.safetensors") and (files / "short.safetensors").is_file()

@@ -139,7 +139,7 @@ def test_it_is_written_in_its_own_keys_read_back_by_its_own_rule_and_refused_els
     # Read back with no record beside it: its format by its keys, its family by its record's rule, so only
     # its variant is ranked, and the weights give the model's outputs.
     back = convert_checkpoint(tmp_path / "toy.safetensors", tmp_path / "native", to="native")
-    assert back.layout == "toyvit" and back.variant == NAME, (back.layout, back.variant)
+    assert back.source_format == "toyvit" and back.variant == NAME, (back.source_format, back.variant)
     again = timm.create_model(f"local-dir:{tmp_path / 'native'}", pretrained=True).eval()
     assert again.config.family == "toyvit"
     assert_fp32_close(again.forward_features(IMAGES), model.forward_features(IMAGES))

@@ -79,7 +79,7 @@ def test_a_registered_format_converts_both_ways(flat, tmp_path):
         model=VARIANT["mlp"],
         model_kwargs=dict(TINY, rope_periods_bf16=True),
     )
-    assert back.layout == "flat" and back.keys == "made-up flat keys"
+    assert back.source_format == "flat" and back.keys == "made-up flat keys"
     again = timm.create_model(f"local-dir:{tmp_path / 'native'}", pretrained=True).eval()
     x = torch.randn(2, 3, 32, 48)
     assert_fp32_close(again.forward_features(x), model.forward_features(x))

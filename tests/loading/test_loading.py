@@ -1,4 +1,4 @@
-"""Every layout through every loading path, and the errors for what cannot load."""
+"""Every format through every loading path, and the errors for what cannot load."""
 
 import pickle
 
@@ -169,7 +169,7 @@ def test_an_overlay_without_a_file_loads_as_timm_does(images):
 
 def test_unrecognised_layout_names_what_it_saw(tmp_path):
     save_file({"conv1.weight": torch.zeros(2, 2), "fc.bias": torch.zeros(2)}, tmp_path / "resnet.safetensors")
-    with pytest.raises(CheckpointError, match=r"unrecognised checkpoint layout \(first keys: conv1.weight, fc.bias\)"):
+    with pytest.raises(CheckpointError, match=r"unrecognised checkpoint format \(first keys: conv1.weight, fc.bias\)"):
         from_file(tmp_path / "resnet.safetensors")
 
 
@@ -268,7 +268,7 @@ def test_conversion_is_idempotent_and_complete():
 
 
 def test_the_report_names_the_keys_as_users_do():
-    """Not "a meta checkpoint" (the meta device? Meta's file?): the layout as its users call it."""
+    """Not "a meta checkpoint" (the meta device? Meta's file?): the format as its users call it."""
     headless = timm.create_model(NAME, **TINY)
     sources = {
         "Meta DINOv3 keys": load_file(FIXTURES / "meta_mlp.safetensors"),
@@ -283,3 +283,14 @@ def test_the_report_names_the_keys_as_users_do():
     classifier = timm.create_model(NAME, num_classes=3, **TINY)
     _, report = convert_state_dict(classifier.state_dict(), classifier)
     assert report[0] == "loaded a checkpoint with timm-layerscale keys"
+
+
+def test_fit_to_model_still_takes_and_gives_the_old_name_layout():
+    """`format_title` was `layout`: the keyword and the attribute keep working."""
+    from timm_layerscale.checkpoints import fit_to_model, open_checkpoint, recognise
+
+    source = open_checkpoint(source_model().state_dict())
+    native = recognise(source).table.to_native(source)
+    model = timm.create_model(NAME, **TINY)
+    fitted = fit_to_model(native, model.state_dict(), layout="Meta DINOv3 keys", model_name=NAME)
+    assert fitted.format_title == fitted.layout == "Meta DINOv3 keys"

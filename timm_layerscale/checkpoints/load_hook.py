@@ -1,4 +1,4 @@
-"""file -> layout -> mapping -> load: every checkpoint layout becomes a model's own state dict.
+"""file -> format -> mapping -> load: every checkpoint format becomes a model's own state dict.
 
 `plan_load` plans every load from shapes, on the formats' key tables (`formats/`) and fitting rules
 (`mapping/fit.py`), reading one tensor at a time: pretrained loading streams its plan into a model on the meta
@@ -45,7 +45,7 @@ def plan_load(
     return fit_to_model(
         prepare(native) if prepare else native,
         model.state_dict(),
-        layout=checkpoint_format.title,
+        format_title=checkpoint_format.title,
         model_name=name,
         config=config,
         reinit_layer_scale=pretrained and getattr(config, "reinit_layer_scale", False),
@@ -55,11 +55,11 @@ def plan_load(
 def convert_state_dict(checkpoint: Any, model: nn.Module, pretrained: bool = False) -> tuple[StateDict, list[str]]:
     """Converts any supported checkpoint to `model`'s own keys, complete, or raises `CheckpointError`.
 
-    Returns the state dict and the report lines (layout, what was filled or dropped, LayerScale).
+    Returns the state dict and the report lines (the format title, what was filled or dropped, LayerScale).
     `pretrained` marks a pretrained load, the only kind that `reinit_layer_scale` re-initialises.
     """
     fitted = plan_load(checkpoint, model, pretrained)
-    return dict(fitted.plan.items()), fitted.report(f"loaded a checkpoint with {fitted.layout}")
+    return dict(fitted.plan.items()), fitted.report(f"loaded a checkpoint with {fitted.format_title}")
 
 
 def log_report(lines: Sequence[str]) -> None:

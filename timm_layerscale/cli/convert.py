@@ -32,7 +32,8 @@ def execute(args: argparse.Namespace) -> int:
     for warning in result.warnings:
         print(f"timm-ls: warning: {warning}", file=sys.stderr)
     if args.json:
-        print(json.dumps(dict(asdict(result), destination=str(result.destination), summary=result.summary()), indent=1))
+        shown = dict(asdict(result), layout=result.source_format)  # `layout`: the old name, still written
+        print(json.dumps(dict(shown, destination=str(result.destination), summary=result.summary()), indent=1))
         return 0
     for line in result.report:
         print(f"  {line}")

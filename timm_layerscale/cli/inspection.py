@@ -1,6 +1,6 @@
 """`timm-ls inspect MODEL_OR_CHECKPOINT`: LayerScale gammas per block and branch, as a table, JSON or PNG.
 
-The source is a checkpoint file in any layout the package reads, a registered `vit_ls` name (random,
+The source is a checkpoint file in any format the package reads, a registered `vit_ls` name (random,
 `--pretrained` or `--checkpoint` weights), a YAML variant file, or any timm model with LayerScale. Files
 are read lazily: only the gamma tensors leave the disk, so a 7B checkpoint takes seconds.
 """
@@ -34,7 +34,7 @@ RANDOM_BUILD_LIMIT = 1_500_000_000  # parameters: larger random models are descr
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".tar", ".ckpt")
 # The command line's way around the Hub: the downloaded file, read as any checkpoint.
 INSPECT_WAY_OUT = "pass the downloaded file instead: timm-ls inspect FILE"
-# A transformer block's attention in any layout (Meta, timm, transformers): a model without one has no LayerScale.
+# A transformer block's attention in any format (Meta, timm, transformers): a model without one has no LayerScale.
 ATTENTION_KEY = re.compile(r"\.\d+\.(attn|attention|self_attn)\.")
 
 

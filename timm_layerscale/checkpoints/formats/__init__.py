@@ -102,7 +102,7 @@ def recognise(source: Mapping[str, torch.Tensor]) -> Format:
         if candidate.recognise(keys):
             return candidate
     raise CheckpointError(
-        f"unrecognised checkpoint layout (first keys: {', '.join(keys[:4])}); expected Meta DINOv3, "
+        f"unrecognised checkpoint format (first keys: {', '.join(keys[:4])}); expected Meta DINOv3, "
         f"transformers DINOv3ViT/Sapiens2, timm eva or Sapiens2 weights"
     )
 

@@ -21,14 +21,14 @@ from .plan import PERIODS, Plan, Step, TensorInfo
 
 Tensor = torch.Tensor
 
-# Keys a layout may lack that the model's own fresh value fills, by key ending.
+# Keys a checkpoint may lack that the model's own fresh value fills, by key ending.
 OWN_VALUE_FILLS = {
     "attn.qkv.bias_mask": "qkv bias masks (k masked)",
     PERIODS: "the default RoPE periods",
     "head.weight": "the model's fresh classifier head",
     "head.bias": "the model's fresh classifier head",
 }
-# Keys a layout may lack that are filled with zeros, by key ending, and what the report calls them.
+# Keys a checkpoint may lack that are filled with zeros, by key ending, and what the report calls them.
 ZERO_FILLS = {"attn.qkv.bias": "zero qkv biases", "mask_token": "a zero mask_token"}
 # Keys a checkpoint may lack that fitting fills, by key ending: a file without them says nothing about which
 # model it is (a classifier head aside: the checkpoint's own decides num_classes).
@@ -58,12 +58,17 @@ class ReportLine(str):
 
 @dataclass
 class Fitted:
-    layout: str  # as users name the keys: "Meta DINOv3 keys", "timm eva keys"
+    format_title: str  # the checkpoint's format as users name its keys: "Meta DINOv3 keys", "timm eva keys"
     plan: Plan  # the model's keys, in its order
     filled: list[str]
     dropped: list[str]
     layer_scale: GammaDecisions
     warnings: list[str]
+
+    @property
+    def layout(self) -> str:
+        """The old name of `format_title`, still read."""
+        return self.format_title
 
     def report(self, first_line: str | None = None, warnings: bool = True) -> list[ReportLine]:
         """What the fit did, a line each; `warnings=False` leaves the warnings to a caller that prints them."""
@@ -99,14 +104,18 @@ def fit_to_model(
     native: Plan,
     expected: Mapping[str, Tensor],
     *,
-    layout: str,
+    format_title: str = "",
     model_name: str,
     config=None,
     fill_dtype: torch.dtype = torch.float32,
     reinit_layer_scale: bool = False,
     variant_layer_scale: tuple[str, ...] = (),
+    layout: str = "",
 ) -> Fitted:
     """Plans `native` (a checkpoint in native keys) into exactly `expected`'s keys and shapes, or raises.
+
+    `format_title` names the checkpoint's format in the report and errors ("Meta DINOv3 keys"); `layout` is its
+    old name, still taken.
 
     `expected` is a model's state dict, real or on the meta device; fills that need the model's own
     values compute them from `config` when it is on the meta device. `variant_layer_scale` are the branches
@@ -144,8 +153,9 @@ def fit_to_model(
                 filled.append(what)
 
     plan = Plan(native, _in_model_order(steps, expected))
-    _check_complete(plan, expected, layout, model_name)
-    return Fitted(layout, plan, filled, list(dict.fromkeys(dropped)), layer_scale, warnings)
+    format_title = format_title or layout
+    _check_complete(plan, expected, format_title, model_name)
+    return Fitted(format_title, plan, filled, list(dict.fromkeys(dropped)), layer_scale, warnings)
 
 
 def _drop_what_the_model_lacks(
@@ -225,22 +235,22 @@ def _option_hint(key: str, in_checkpoint: bool) -> str:
     return "the variant and options the checkpoint was made for"
 
 
-def _check_complete(plan: Plan, expected: Mapping[str, Tensor], layout: str, name: str) -> None:
+def _check_complete(plan: Plan, expected: Mapping[str, Tensor], title: str, name: str) -> None:
     for key, target in expected.items():
         if key not in plan:
             raise CheckpointError(
-                f"the checkpoint ({layout}) lacks {key} {list(target.shape)} that {name} needs; build "
+                f"the checkpoint ({title}) lacks {key} {list(target.shape)} that {name} needs; build "
                 f"{_option_hint(key, False)}"
             )
         if plan.info(key).shape != target.shape:
             raise CheckpointError(
-                f"the checkpoint ({layout}) does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
+                f"the checkpoint ({title}) does not fit {name}: {key} is {list(plan.info(key).shape)} in the "
                 f"checkpoint but {list(target.shape)} in the model; build the variant the checkpoint was made for"
             )
         stored = plan.info(key).dtype
         if target.dtype.is_floating_point and not stored.is_floating_point:  # a cast would load raw bit patterns
             raise CheckpointError(
-                f"the checkpoint ({layout}) stores {key} as {str(stored).removeprefix('torch.')}, but {name} holds "
+                f"the checkpoint ({title}) stores {key} as {str(stored).removeprefix('torch.')}, but {name} holds "
                 f"it in floating point ({str(target.dtype).removeprefix('torch.')}); save the weights as F32, BF16 "
                 f"or F16"
             )
@@ -248,6 +258,6 @@ def _check_complete(plan: Plan, expected: Mapping[str, Tensor], layout: str, nam
     if extra:
         shape = list(plan.info(extra[0]).shape)
         raise CheckpointError(
-            f"the checkpoint ({layout}) has {extra[0]} {shape} that {name} does not hold"
+            f"the checkpoint ({title}) has {extra[0]} {shape} that {name} does not hold"
             f"{f' (and {len(extra) - 1} more)' if len(extra) > 1 else ''}; build {_option_hint(extra[0], True)}"
         )

@@ -1,4 +1,4 @@
-"""LayerScale's key spellings, in one table that every layout, timm family and report reads them from.
+"""LayerScale's key spellings, in one table that every format, timm family and report reads them from.
 
 A spelling names a block's LayerScale vector after its `<stack>.<block>.` prefix, with N the branch:
 1 scales the attention, 2 the MLP (`BRANCHES[N - 1]`).

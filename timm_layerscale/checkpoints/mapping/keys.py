@@ -75,16 +75,16 @@ class Rule:
     """Native keys <-> format keys; the functions map the tensors (in pattern order) each way."""
 
     native: tuple[KeyPattern, ...]
-    layout: tuple[KeyPattern, ...]
+    format_keys: tuple[KeyPattern, ...]
     to_native: StepFn = same
-    to_layout: StepFn = same
+    to_format: StepFn = same
 
 
-def row(native: str | tuple[str, ...], layout: str | tuple[str, ...], to_native=same, to_layout=same) -> Rule:
+def row(native: str | tuple[str, ...], format_keys: str | tuple[str, ...], to_native=same, to_format=same) -> Rule:
     def patterns(keys):
         return tuple(KeyPattern(k) for k in ((keys,) if isinstance(keys, str) else keys))
 
-    return Rule(patterns(native), patterns(layout), to_native, to_layout)
+    return Rule(patterns(native), patterns(format_keys), to_native, to_format)
 
 
 def _match(keys: list[str], rules: Iterable[Rule], from_native: bool, options: Mapping[str, Any]):
@@ -98,14 +98,14 @@ def _match(keys: list[str], rules: Iterable[Rule], from_native: bool, options: M
         if key in placed:
             continue
         for rule in rules:
-            src, dst = (rule.native, rule.layout) if from_native else (rule.layout, rule.native)
+            src, dst = (rule.native, rule.format_keys) if from_native else (rule.format_keys, rule.native)
             groups = next((g for p in src if (g := p.match(key)) is not None), None)
             if groups is None:
                 continue
             inputs = [p.fill(groups) for p in src]
             if any(k not in present and not p.optional for k, p in zip(inputs, src)):
                 continue
-            fn = rule.to_layout if from_native else rule.to_native
+            fn = rule.to_format if from_native else rule.to_native
             outputs = tuple(p.fill(groups) for p in dst)
             steps.append(Step(outputs, tuple(k if k in present else None for k in inputs), partial(fn, **options)))
             placed.update(k for k in inputs if k in present)

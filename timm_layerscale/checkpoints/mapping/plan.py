@@ -3,8 +3,8 @@
 A plan is a list of steps over a source (a lazy checkpoint, a state dict or another plan). Each step
 turns a few source tensors into a few output tensors: a rename, q/k/v split or fused, a gamma folded into
 a projection, a cast. Shapes come from running the same step on meta tensors, so planning reads nothing;
-reading an output runs its step on real tensors. Plans chain (file layout -> native keys -> target
-layout), and iterating one yields `(key, tensor)` pairs while holding only the current step's tensors.
+reading an output runs its step on real tensors. Plans chain (file keys -> native keys -> target
+keys), and iterating one yields `(key, tensor)` pairs while holding only the current step's tensors.
 """
 
 from __future__ import annotations

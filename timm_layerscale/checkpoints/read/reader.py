@@ -4,7 +4,7 @@
 file, a sharded safetensors index, a Hub-layout folder, a torch.distributed.checkpoint folder, or a state dict
 already in memory), picks one weights set of it (EMA/teacher or raw), strips the wrappers around the backbone
 (`module.`, `backbone.`, ...) and drops pretraining heads, so its keys are a backbone state dict in whatever
-layout it was saved in. Shapes and dtypes are known before any tensor is read. A source that is not a
+format it was saved in. Shapes and dtypes are known before any tensor is read. A source that is not a
 checkpoint, or is damaged, raises `CheckpointError` with one line naming what it is and the fix.
 """
 
