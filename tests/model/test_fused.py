@@ -121,18 +121,32 @@ def test_bf16_model_in_inference_is_within_rounding_of_the_model_with_autograd()
     assert not torch.equal(in_place, reference)
 
 
-def test_bf16_in_place_path_is_captured_by_torchscript_and_torch_compile():
+def test_bf16_in_place_path_is_captured_by_torchscript_and_compiled_out_of_place():
+    """TorchScript keeps the in-place rotation; torch.compile takes the out-of-place one (which inductor fuses),
+    so a compiled model computes what the model with autograd does."""
     torch.manual_seed(0)
     model = move_off_init_(timm.create_model("vit_ls_small_patch16_dinov3", num_classes=0, **TINY)).eval()
     model.to(torch.bfloat16)
     x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with_autograd = model(x).detach()
     with torch.no_grad():
         eager = model(x)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # TorchScript is deprecated in torch, still supported
             scripted = torch.jit.script(model)
         assert torch.equal(scripted(x), eager)
-        assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), eager)
+        assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), with_autograd)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_a_compiled_rotation_writes_nothing_back_into_qkv(dtype):
+    qkv, rope = qkv_and_rope(dtype, seed=4)
+    before = qkv.clone()
+    rotate = torch.compile(lambda t: rotate_heads(t[:, :, : 2 * HEADS], rope), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        rotated = rotate(qkv)
+    assert torch.equal(qkv, before)
+    assert torch.equal(rotated, apply_rope(before[:, :, : 2 * HEADS], heads(rope)))
 
 
 @pytest.mark.parametrize("dtype", LOW)

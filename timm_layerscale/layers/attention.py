@@ -17,14 +17,16 @@ def rotate_heads(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> to
 
     `rope` is one grid's `[tokens, head_dim]` pair, or a NaFlex batch's `[batch, tokens, head_dim]` (one
     grid per image). Heads are rotated in the tables' dtype (`apply_rope`); heads narrower than the tables
-    are rotated in place when there is no autograd (`apply_rope_into`), one unit off at most. Heads of the
-    tables' dtype are not: out of place, the attention branch stays below the MLP's peak, and a hook on qkv
-    keeps what qkv computed.
+    are rotated in place when there is no autograd and no compiler (`apply_rope_into`), one unit off at most.
+    Heads of the tables' dtype are not: out of place, the attention branch stays below the MLP's peak, and a
+    hook on qkv keeps what qkv computed.
     """
     sin, cos = rope
     rope = (sin.unsqueeze(-2), cos.unsqueeze(-2))
     narrower = x.dtype != cos.dtype and torch.promote_types(x.dtype, cos.dtype) == cos.dtype
-    if narrower and not torch.is_grad_enabled():
+    # A compiler fuses the out-of-place rotation into one kernel; writing into a view of qkv would make it
+    # copy qkv whole (functionalisation) and run slower than eager.
+    if narrower and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return apply_rope_into(x, rope)
     return apply_rope(x, rope)
 
