@@ -138,12 +138,12 @@ def convert_checkpoint(
     request = _checked_request(Path(dst), to, dtype, weights, options, overwrite)
     with _opened(src, weights, heads=request.target.reads_heads) as ckpt:
         _refuse_to_replace_source(ckpt, request.dst)
-        planned = _plan(ckpt, request, model, model_kwargs, fuse_layerscale, max_shard_size)
-        warnings = planned.fitted.warnings + planned.prepared_write.warnings + rope_warning(planned, request.target)
+        prepared = _prepared_conversion(ckpt, request, model, model_kwargs, fuse_layerscale, max_shard_size)
+        warnings = prepared.fitted.warnings + prepared.prepared_write.warnings + rope_warning(prepared, request.target)
         if strict and warnings:
             raise CheckpointError(f"{warnings[0]}; --strict refuses to convert it (drop --strict to convert anyway)")
-        _write(planned.prepared_write, request, overwrite, progress)
-        return planned.conversion(src, ckpt, request, warnings, time.perf_counter() - start)
+        _write(prepared.prepared_write, request, overwrite, progress)
+        return prepared.conversion(src, ckpt, request, warnings, time.perf_counter() - start)
 
 
 @dataclass
@@ -181,10 +181,10 @@ class PreparedConversion:
         )
 
 
-def rope_warning(planned: PreparedConversion, target: Format) -> list[str]:
+def rope_warning(prepared: PreparedConversion, target: Format) -> list[str]:
     """The target's RoPE rule (`Format.rope_rule`) as one line, with how far the outputs move: measured on the
     model built both ways from the fitted weights at a small input, up to `ROPE_MEASURE_BYTES` of weights."""
-    config = planned.identity.config
+    config = prepared.identity.config
     rule = target.rope_rule(config)
     if rule is None:
         return []
@@ -195,7 +195,7 @@ def rope_warning(planned: PreparedConversion, target: Format) -> list[str]:
             f"{rule} (not measured: its fp32 weights are {_size(weights)}, above the {_size(ROPE_MEASURE_BYTES)} "
             f"this measure loads; 1e-4 to 1e-3 relative on Sapiens2's smaller models, more with depth){keep}"
         ]
-    moved = rope_move(planned.fitted.plan, config, target.recomputes_periods)
+    moved = rope_move(prepared.fitted.plan, config, target.recomputes_periods)
     side = "x".join(str(n * config.patch_size) for n in ROPE_MEASURE_PATCHES)
     return [f"{rule} by {moved:.1e} relative (measured on this model, {ROPE_MEASURE_IMAGES} images at {side}){keep}"]
 
@@ -254,10 +254,10 @@ def prepare_conversion(
     not checked). Reads only what a conversion reads ahead (q/k/v biases, RoPE periods, gammas)."""
     weights = ckpt.weights if ckpt.weights in WEIGHTS_SETS else "auto"
     request = _checked_request(Path(dst), to, dtype, weights, options, overwrite=None)
-    return _plan(ckpt, request, model, model_kwargs, fuse_layerscale, "5GB")
+    return _prepared_conversion(ckpt, request, model, model_kwargs, fuse_layerscale, "5GB")
 
 
-def _plan(
+def _prepared_conversion(
     ckpt: LazyCheckpoint,
     request: _Request,
     model: str | None,
@@ -282,7 +282,7 @@ def _checked_request(
     dst: Path, to: str, dtype: str | None, weights: str, options: Mapping[str, Any], overwrite: bool | None
 ) -> _Request:
     """The format with its options, the dtype and weights set, once each is known good, and the destination
-    when `overwrite` is given (a plan alone writes nothing)."""
+    when `overwrite` is given (a dry run writes nothing)."""
     if weights not in WEIGHTS_SETS:
         raise CheckpointError(f"unknown weights set {weights!r}; pass --weights one of {', '.join(WEIGHTS_SETS)}")
     target, checked = target_format(to, options, dst if overwrite is not None else None, bool(overwrite))

@@ -51,7 +51,7 @@ def fold_layer_scale(model: nn.Module) -> nn.Module:
     projection of its size before it, or a LayerScale where no family keeps one) raises `ValueError` before
     anything is changed.
     """
-    folds = _plan(model)
+    folds = _folds_of(model)
     if not folds:
         return model
     for fold in folds:
@@ -60,7 +60,7 @@ def fold_layer_scale(model: nn.Module) -> nn.Module:
     return model
 
 
-def _plan(model: nn.Module) -> list[_Fold]:
+def _folds_of(model: nn.Module) -> list[_Fold]:
     """Every fold to make, or a ValueError naming the first gamma that cannot be folded."""
     folds, planned = [], set()
     for name, block in model.named_modules():
