@@ -166,3 +166,14 @@ def test_a_batch_rotated_image_by_image_is_the_whole_batch_rotated(dtype):
     for i, tables in enumerate((shared, heads(other)) * 2):
         assert torch.equal(batch[i : i + 1], apply_rope_into(qk[i : i + 1].clone(), tables))
     assert not torch.equal(batch[1:2], apply_rope_into(qk[1:2].clone(), shared))
+
+
+def test_a_bf16_model_traced_at_one_batch_runs_at_another():
+    """`torch.jit.trace` records one rotation for the whole batch, not the eager path's loop over its images."""
+    model = move_off_init_(timm.create_model("vit_ls_small_patch16_dinov3", num_classes=0, **TINY))
+    model = model.to(torch.bfloat16).eval()
+    x2, x3 = (torch.randn(n, 3, 32, 48, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16) for n in (2, 3))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings on Python values it records as constants
+        traced = torch.jit.trace(model, x2)
+        assert torch.equal(traced(x3), model(x3))
