@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import platform
 
+CPUINFO = "/proc/cpuinfo"
 
-def cpu_model() -> str:
+
+def cpu_model(cpuinfo_path: str = CPUINFO) -> str:
     """`model name` from /proc/cpuinfo, else what the platform says."""
     model = platform.processor() or platform.machine()
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
+        with open(cpuinfo_path) as cpuinfo:
             return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     except (OSError, StopIteration):
         return model
@@ -24,10 +26,10 @@ BF16_MATRIX_FLAGS = {
 REPORTED_FLAGS = ("amx_bf16", "amx_int8", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
 
-def cpu_flags() -> set[str]:
+def cpu_flags(cpuinfo_path: str = CPUINFO) -> set[str]:
     """The `flags` of the first CPU in /proc/cpuinfo (empty where there is none)."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
+        with open(cpuinfo_path) as cpuinfo:
             return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
     except OSError:
         return set()

@@ -19,6 +19,7 @@ from torchvision.transforms.functional import normalize, to_tensor
 from timm_layerscale.tools import dense, feature_run
 from timm_layerscale.tools import feature_memory as memory
 from timm_layerscale.tools import feature_pictures as pictures
+from timm_ls import cpu
 from timm_ls.main import main
 
 OURS = "vit_ls_small_patch16_dinov3"
@@ -429,3 +430,15 @@ def test_a_bf16_run_names_this_cpus_bf16_path_in_its_plan(weights, tmp_path, cap
     plan = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan: "))
     assert plan.endswith("; " + feature_run.precision("bf16", torch.device("cpu")))
     assert "bf16 on " in plan
+
+
+def test_the_cpu_flags_are_the_first_processors_and_none_without_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    first = "processor\t: 0\nmodel name\t: Some Xeon\nvmx flags\t: ept\nflags\t\t: fpu avx512_bf16 amx_bf16\n\n"
+    info.write_text(first + "processor\t: 1\nflags\t\t: fpu\n")
+    assert cpu.cpu_flags(str(info)) == {"fpu", "avx512_bf16", "amx_bf16"}
+    assert cpu.cpu_model(str(info)) == "Some Xeon"
+    assert cpu.bf16_units(cpu.cpu_flags(str(info))) == "AMX-BF16 tiles"
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # an Arm CPU's cpuinfo has no flags line
+    assert cpu.cpu_flags(str(info)) == set() and cpu.bf16_units(set()) is None
+    assert cpu.cpu_flags(str(tmp_path / "none")) == set()
