@@ -107,7 +107,7 @@ HF_SPEC = FormatSpec(
 )
 TIMM_SPEC = FormatSpec(
     "timm",
-    "timm's eva folder of the weights' family (DINOv3, EUPE, LingBot, Sapiens2)",
+    "timm's eva folder, in the eva architecture of the weights' family",
     FOLDER,
     files=(CONFIG, WEIGHTS),
 )
