@@ -139,8 +139,8 @@ def generated_sections() -> dict[str, Callable[[], str]]:
     """Each marked section's name -> what renders it now."""
     found: list[dict] = []
 
-    def variants() -> list[dict]:  # counted once for both sections that show them
-        found[:] = found or registered_variants()
+    def variants() -> list[dict]:  # counted once for both sections that show them; what a fresh process lists
+        found[:] = found or [record for record in registered_variants() if record["shipped"]]
         return found
 
     usages = {f"{command}-usage": (lambda command=command: command_usage(command)) for command in COMMANDS}

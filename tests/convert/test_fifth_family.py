@@ -15,7 +15,7 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file
-from support import assert_fp32_close, move_off_init_
+from support import assert_fp32_close, forget_timm_model, move_off_init_
 
 from timm_layerscale import (
     FAMILIES,
@@ -109,6 +109,7 @@ def toyvit(tmp_path_factory):
     register_variant(yaml)
     yield NAME
     del FAMILIES["toyvit"], FORMATS["toyvit"], VARIANTS[NAME]
+    forget_timm_model(NAME)
 
 
 def toy_model(**kwargs) -> torch.nn.Module:

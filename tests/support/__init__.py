@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import timm
 import torch
+from timm.models import _registry as timm_registry  # its private tables: forget_timm_model
 from torch import nn
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
@@ -199,3 +200,18 @@ def build_from_meta_file(name: str, **kwargs) -> nn.Module:
         local_cls_norm=meta["untie_global_and_local_cls_norm"],
         **kwargs,
     ).eval()
+
+
+def forget_timm_model(name: str) -> None:
+    """Drops a model a test registered from timm's registry, its tags too (timm has no public way to), so that
+    later tests see only the shipped variants."""
+    registry = timm_registry
+    registry._model_entrypoints.pop(name, None)
+    module = registry._model_to_module.pop(name, None)
+    if module is not None:
+        registry._module_to_models[module].discard(name)
+    registry._model_has_pretrained.discard(name)
+    registry._model_default_cfgs.pop(name, None)
+    registry._model_with_tags.pop(name, None)
+    for key in [k for k in registry._model_pretrained_cfgs if k.partition(".")[0] == name]:
+        del registry._model_pretrained_cfgs[key]
