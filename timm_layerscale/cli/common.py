@@ -123,6 +123,14 @@ def is_warning(line: str) -> bool:
     return isinstance(line, ReportLine) and line.level >= logging.WARNING
 
 
+def warn_and_keep_the_rest(report: Sequence[str]) -> list[str]:
+    """Each warning of a load report on stderr (`warn`); the other lines, for the caller to show or not."""
+    for line in report:
+        if is_warning(line):
+            warn(line.message)
+    return [line for line in report if not is_warning(line)]
+
+
 def build(
     args: argparse.Namespace, variant: Variant, tag: str | None, offline_random: bool = False
 ) -> tuple[nn.Module, str]:

@@ -36,12 +36,12 @@ from .common import (
     CliError,
     build,
     build_from_checkpoint,
-    is_warning,
     load_report,
     parse_model_kwargs,
     resolve_variant,
     table,
     warn,
+    warn_and_keep_the_rest,
 )
 from .gamma_report import draw, plot_target, stats_table
 
@@ -307,15 +307,13 @@ def show_model(args: argparse.Namespace) -> int:
     with load_report() as report:
         model, source, name = _model_with_weights(args)
     model.eval()
-    for line in report:
-        if is_warning(line):
-            warn(line.message)
+    report = warn_and_keep_the_rest(report)
     overrides = " ".join(args.model_kwargs)
     out = [
         f"variant: {name}{f' ({overrides})' if overrides else ''}",
         f"config: {VARIANTS[name.partition('.')[0]].source}",
         f"weights: {source}",
-        *(f"  {line}" for line in report if not is_warning(line)),
+        *(f"  {line}" for line in report),
     ]
     data_cfg = resolve_data_config({}, model=model)
     prefix = model.num_prefix_tokens

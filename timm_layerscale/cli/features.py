@@ -26,11 +26,10 @@ from .common import (
     CliError,
     build,
     build_from_checkpoint,
-    is_warning,
     load_report,
     parse_model_kwargs,
     resolve_variant,
-    warn,
+    warn_and_keep_the_rest,
 )
 
 
@@ -61,9 +60,7 @@ def load_model(args: argparse.Namespace) -> Loaded:
                 variant, tag = resolve_variant(name)
                 model, source = build(args, variant, tag)
                 name = f"{variant.name}.{tag}" if tag else variant.name
-        for line in report:
-            if is_warning(line):
-                warn(line.message)
+        warn_and_keep_the_rest(report)
     elif timm.is_model(name.partition(".")[0]):
         with torch.device("meta"):  # the architecture alone, checked before any weights are built or fetched
             _check_vit(name, timm.create_model(name))
