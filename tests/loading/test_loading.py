@@ -294,3 +294,5 @@ def test_fit_to_model_still_takes_and_gives_the_old_name_layout():
     model = timm.create_model(NAME, **TINY)
     fitted = fit_to_model(native, model.state_dict(), layout="Meta DINOv3 keys", model_name=NAME)
     assert fitted.format_title == fitted.layout == "Meta DINOv3 keys"
+    with pytest.raises(TypeError, match="format_title"):  # one of the two names is still required
+        fit_to_model(native, model.state_dict(), model_name=NAME)

@@ -104,13 +104,13 @@ def fit_to_model(
     native: Plan,
     expected: Mapping[str, Tensor],
     *,
-    format_title: str = "",
+    format_title: str | None = None,
     model_name: str,
     config=None,
     fill_dtype: torch.dtype = torch.float32,
     reinit_layer_scale: bool = False,
     variant_layer_scale: tuple[str, ...] = (),
-    layout: str = "",
+    layout: str | None = None,
 ) -> Fitted:
     """Plans `native` (a checkpoint in native keys) into exactly `expected`'s keys and shapes, or raises.
 
@@ -122,6 +122,9 @@ def fit_to_model(
     the model's variant has LayerScale on ("attention", "MLP"), which the report names when the checkpoint's
     keys built the model without it.
     """
+    format_title = format_title if format_title is not None else layout
+    if format_title is None:
+        raise TypeError("fit_to_model() missing required keyword argument: 'format_title'")
     infos = {k: native.info(k) for k in native}
     steps: dict[str, Step] = {k: Step((k,), (k,)) for k in infos}
     dropped = _drop_what_the_model_lacks(infos, expected, steps)
@@ -153,7 +156,6 @@ def fit_to_model(
                 filled.append(what)
 
     plan = Plan(native, _in_model_order(steps, expected))
-    format_title = format_title or layout
     _check_complete(plan, expected, format_title, model_name)
     return Fitted(format_title, plan, filled, list(dict.fromkeys(dropped)), layer_scale, warnings)
 
