@@ -93,8 +93,11 @@ class Block(nn.Module):
     def _attn_branch(self, x: torch.Tensor, rope: Rope, attn_mask: torch.Tensor | None) -> torch.Tensor:
         return self.ls1(self._attn(x, rope, attn_mask))
 
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm2(x))
+
     def _mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ls2(self.mlp(self.norm2(x)))
+        return self.ls2(self._mlp(x))
 
     def forward(self, x: torch.Tensor, rope: Rope = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.training and self.sample_drop_rate > 0:
@@ -114,5 +117,5 @@ class Block(nn.Module):
         else:
             x = x + self._attn_branch(x, rope, attn_mask)
         if hasattr(self.ls2, "gamma"):
-            return add_scaled(x, self.mlp(self.norm2(x)), self.ls2.gamma)
+            return add_scaled(x, self._mlp(x), self.ls2.gamma)
         return x + self._mlp_branch(x)

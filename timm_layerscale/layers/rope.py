@@ -175,9 +175,8 @@ def apply_rope_into(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) ->
     those of the whole batch would be allocated and touched afresh at every block (twice as slow at ViT-B's
     four images).
     """
-    if torch.jit.is_scripting() or x.device.type != "cpu" or x.shape[0] == 1:
-        return _rotate_into(x, rope)
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # a captured graph: one rotation, any batch
+    captured = torch.jit.is_scripting() or torch.jit.is_tracing() or torch.compiler.is_compiling()
+    if captured or x.device.type != "cpu" or x.shape[0] == 1:  # a captured graph: one rotation, any batch
         return _rotate_into(x, rope)
     per_image = rope[0].dim() == x.dim()  # a NaFlex batch's tables, one grid per image
     for i, image in enumerate(x.unbind(0)):
