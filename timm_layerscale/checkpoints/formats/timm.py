@@ -261,10 +261,6 @@ class TimmEva(Format):
     rope_code = "timm's eva"
     gamma_spelling = SPELLING
 
-    def family_of_keys(self, keys: Sequence[str]) -> str | None:
-        """Sapiens2 by eva's separate q projection (its table's own); DINOv3's layout, shared, otherwise."""
-        return "sapiens2" if any(k.endswith(".attn.q_proj.weight") for k in keys) else None
-
     def recognise(self, keys: Sequence[str]) -> bool:
         eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")
         return "reg_token" in keys or any(k.endswith(eva_keys) for k in keys)
