@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
 
 import pytest
 import timm
@@ -18,10 +19,11 @@ from safetensors.torch import save_file
 from support import assert_fp32_close, format_destination, move_off_init_
 from torch import nn
 
-from timm_layerscale import convert_checkpoint
+from timm_layerscale import CheckpointError, FamilyRecord, Holding, convert_checkpoint, register_family
 from timm_layerscale.checkpoints.formats import FORMATS
-from timm_layerscale.families import FAMILIES
-from timm_layerscale.layer_options import OPTIONS, LayerOption, register_option
+from timm_layerscale.families import FAMILIES, fixed_words
+from timm_layerscale.identity import key_args
+from timm_layerscale.layer_options import OPTIONS, LayerOption, option_values, register_option
 from timm_layerscale.publish import save_native
 from timm_ls.main import main
 
@@ -81,8 +83,8 @@ def test_it_builds_its_class_everywhere_a_norm_is_and_computes_dyt(dyt):
     norm = model.norm
     assert float(norm.alpha) != 0.5  # moved off its init, so alpha counts
     assert_fp32_close(norm(x), torch.tanh(norm.alpha * x) * norm.weight + norm.bias)
-    fresh = timm.create_model(VARIANT, **SHAPE)  # the model's init resets it as a norm
-    assert float(fresh.norm.alpha) == 0.5 and torch.equal(fresh.norm.weight, torch.ones(model.embed_dim))
+    model.init_weights()  # the model's init resets it as it resets every registered norm
+    assert all(float(n.alpha) == 0.5 and torch.equal(n.weight, torch.ones(model.embed_dim)) for n in norms)
 
 
 @torch.no_grad()
@@ -121,3 +123,53 @@ def test_inspect_reports_its_gammas_and_the_model_its_keys_are(dyt, tmp_path):
     assert report["gammas_read"] == 2 * model.config.depth and report["model"].startswith(VARIANT), report
     expected = model.blocks[1].ls2.gamma.abs().double().mean().item()
     assert report["blocks"][1]["mlp"]["mean"] == pytest.approx(expected, rel=1e-6)
+
+
+# ------------------------------------------------------------------------ what the declarations decide
+
+
+@pytest.mark.parametrize("ffn_bias", [True, False])
+@pytest.mark.parametrize("ffn", option_values("ffn_layer"))
+@torch.no_grad()
+def test_the_keys_of_every_registered_option_give_it_back(dyt, ffn, ffn_bias):
+    """Every registered norm (DyT too) and FFN, with and without its bias, read back from a model's keys alone."""
+    for norm in option_values("norm_layer"):
+        args = dict(embed_dim=64, num_heads=4, depth=2, num_classes=0, norm_layer=norm, ffn_layer=ffn)
+        state = timm.create_model("vit_ls_small_patch16_dinov3", **args, ffn_bias=ffn_bias).state_dict()
+        decided = key_args(state, {})
+        assert (decided["norm_layer"], decided["ffn_bias"], decided["qk_norm"]) == (norm, ffn_bias, False), norm
+
+
+class _Config(SimpleNamespace):
+    """A config as the records and formats read it: by field names."""
+
+
+PLAIN = FamilyRecord("plainvit", "a family no format fixes anything of", {"native": Holding(), "meta": Holding()})
+
+
+@pytest.fixture
+def plain_family():
+    register_family(PLAIN)
+    yield PLAIN
+    del FAMILIES["plainvit"]
+
+
+def test_a_format_the_option_does_not_name_is_refused_where_no_record_fixes_the_field(dyt, plain_family):
+    config = _Config(family="plainvit", norm_layer="dyt", ffn_layer="mlp", qk_norm=False)
+    assert plain_family.holders(config) == ["native"]  # meta fixes nothing, but the norm's declaration names native
+    with pytest.raises(CheckpointError) as refused:
+        FORMATS["meta"].holding(config)
+    assert str(refused.value) == (
+        "Meta DINOv3 keys have no place for norm_layer='dyt': --to meta cannot hold it; convert --to native instead"
+    )
+    assert FORMATS["native"].holding(config) == Holding()
+
+
+def test_a_fix_may_be_a_set_and_its_refusal_names_each_value():
+    meta = FAMILIES["dinov3"].formats["meta"]
+    assert meta.differences(_Config(norm_layer="rmsnorm", qk_norm=False, grouped_attention=False)) == []
+    assert meta.differences(_Config(norm_layer="dyt", qk_norm=False, grouped_attention=False)) == [
+        ("norm_layer", {"layernorm", "rmsnorm"}, "dyt")
+    ]
+    assert fixed_words("norm_layer", {"rmsnorm", "layernorm"}) == "norm_layer='layernorm' or 'rmsnorm'"
+    assert fixed_words("qk_norm", False) == "qk_norm=False"
