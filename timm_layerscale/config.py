@@ -18,10 +18,9 @@ from timm_ls.layer_sets import FEATURE_LAYER_NAMES as FEATURE_LAYER_NAMES
 from timm_ls.layer_sets import feature_layers as feature_layers
 from timm_ls.plain_yaml import load_text
 
-from .families import FAMILIES, family_problem, is_family
+from .families import BRANCHES, FAMILIES, family_problem, is_family
+from .layer_options import option_values
 
-FFN_LAYERS = ("mlp", "swiglu")
-NORM_LAYERS = ("layernorm", "rmsnorm")
 ROPE_DTYPES = ("fp32", "bf16")
 NORMALIZE_COORDS = ("separate", "min", "max")
 STOCHASTIC_DEPTH = ("drop_path", "sample_drop")
@@ -29,7 +28,6 @@ GLOBAL_POOLS = ("token", "avg", "avgmax", "max", "cls_avg", "")
 LAYER_SCALE_OFF = ("off", "none", "false", "0")
 # Switches that act once, on the model being fine-tuned: never part of what a saved model passes on.
 TRAINING_SWITCHES = ("freeze_layer_scale", "reinit_layer_scale")
-BRANCHES = ("attn", "mlp")
 
 BranchInit = tuple[float | None, float | None]
 
@@ -143,6 +141,14 @@ def one_of(choices: tuple[str, ...]) -> Rule:
     return Rule(lambda v: v in choices, f"one of {choices}")
 
 
+def registered(field_name: str) -> Rule:
+    """One of the values the layers register for a field (`layer_options`), read when a value is checked."""
+    return Rule(
+        lambda v: v in option_values(field_name),
+        lambda: f"one of {option_values(field_name)} (or one added by register_option)",
+    )
+
+
 def knob(default: Any, rule: Rule) -> Any:
     """A config field: its default and its rule, named together."""
     return field(default=default, metadata={"rule": rule})
@@ -171,8 +177,8 @@ class VitLsConfig:
     # Grouped-query attention: k/v heads per block (null: num_heads), one int for all or one per block (as eva)
     num_kv_heads: int | list[int] | None = knob(None, KV_HEADS)
     qk_norm: bool = knob(False, SWITCH)  # a norm (norm_layer) over each head's q and k, before RoPE (Sapiens2)
-    norm_layer: str = knob("layernorm", one_of(NORM_LAYERS))  # block norms, output norms and qk_norm
-    ffn_layer: str = knob("mlp", one_of(FFN_LAYERS))  # "mlp" (GELU) or "swiglu"
+    norm_layer: str = knob("layernorm", registered("norm_layer"))  # block norms, output norms and qk_norm
+    ffn_layer: str = knob("mlp", registered("ffn_layer"))  # "mlp" (GELU) or "swiglu"
     ffn_ratio: float = knob(4.0, FFN_RATIO)
     swiglu_align_to: int = knob(8, int_in(1, MAX_WIDTH))
     qkv_bias: bool = knob(True, SWITCH)

@@ -6,7 +6,8 @@ its family's record when it is built, and the formats and identity ask the recor
 family is `register_family(FamilyRecord(...))`, its YAML variants, and a format (`register_format`) only where
 its keys are its own.
 
-This module knows no other of the package: it reads a config by its field names only.
+This module knows no other of the package but the layer options (`layer_options`, which formats hold each): it
+reads a config by its field names only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-BRANCH_NAMES = ("attn", "mlp")
+from .layer_options import unheld_option
+
+BRANCHES = ("attn", "mlp")
 # What a format does with RoPE: keeps the model's, recomputes it in fp32 (from the base, as transformers, timm's eva
 # and Meta's hub builders do), or has its code compute it in bf16 whatever the model does (Meta's trainer).
 ROPE_KEPT, ROPE_FP32, ROPE_BF16 = "kept", "fp32", "bf16"
@@ -39,19 +42,32 @@ KEYED_ARGS = (
 )
 
 
+def allowed_values(fixed: Any) -> tuple[Any, ...]:
+    """The values a format's fix allows: the one value, or each of a set (in a stable order)."""
+    return tuple(sorted(fixed, key=repr)) if isinstance(fixed, (set, frozenset)) else (fixed,)
+
+
+def fixed_words(name: str, fixed: Any) -> str:
+    """A fix as a refusal names it: `norm_layer='layernorm'`, or `norm_layer='layernorm' or 'rmsnorm'`."""
+    return f"{named(name)}=" + " or ".join(map(repr, allowed_values(fixed)))
+
+
 @dataclass(frozen=True)
 class Holding:
-    """What one format holds of a family: the config values its files or its code fix (`fixes`), the key layout
-    it writes the family in where it has several (`layout`), and what its code does with RoPE (`rope`)."""
+    """What one format holds of a family: the config values its files or its code fix (`fixes`: a value, or a
+    set of the values it holds, as Meta's code holds LayerNorm or RMSNorm), the key layout it writes the family in
+    where it has several (`layout`), and what its code does with RoPE (`rope`)."""
 
     fixes: Mapping[str, Any] = field(default_factory=dict)
     rope: str = ROPE_KEPT
     layout: str = ""
 
     def differences(self, config: Any) -> list[tuple[str, Any, Any]]:
-        """(field, fixed value, the config's) for each value this format fixes otherwise."""
+        """(field, fixed value or set, the config's) for each value this format fixes otherwise."""
         return [
-            (name, fixed, getattr(config, name)) for name, fixed in self.fixes.items() if getattr(config, name) != fixed
+            (name, fixed, getattr(config, name))
+            for name, fixed in self.fixes.items()
+            if getattr(config, name) not in allowed_values(fixed)
         ]
 
 
@@ -68,7 +84,7 @@ class FamilyRecord:
     title: str
     formats: Mapping[str, Holding]
     switches: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-    layer_scale: tuple[str, ...] = BRANCH_NAMES
+    layer_scale: tuple[str, ...] = BRANCHES
     keyed: tuple[str, ...] = KEYED_ARGS
     layout: str = ""
     recognise: Callable[[Collection[str]], bool] | None = None
@@ -76,13 +92,13 @@ class FamilyRecord:
     def __post_init__(self) -> None:
         if not self.layout:
             object.__setattr__(self, "layout", self.name)
-        unknown = [b for b in self.layer_scale if b not in BRANCH_NAMES]
+        unknown = [b for b in self.layer_scale if b not in BRANCHES]
         if unknown:
-            raise ValueError(f"family {self.name}: layer_scale: got {unknown}; allowed: branches of {BRANCH_NAMES}")
+            raise ValueError(f"family {self.name}: layer_scale: got {unknown}; allowed: branches of {BRANCHES}")
 
     def gamma_branches(self) -> tuple[int, ...]:
         """The branches (1: attention, 2: MLP) where this family's layouts have a gamma."""
-        return tuple(i + 1 for i, branch in enumerate(BRANCH_NAMES) if branch in self.layer_scale)
+        return tuple(i + 1 for i, branch in enumerate(BRANCHES) if branch in self.layer_scale)
 
     def problem(self, config: Any) -> str | None:
         """What of `config` this family does not allow, as the start of one error line, or None."""
@@ -91,9 +107,9 @@ class FamilyRecord:
             if value not in allowed:
                 shown = " or ".join(repr(v) for v in allowed)
                 return f"{named(name)}: got {value!r}; a {self.name} model has {shown}"
-        for index, branch in enumerate(BRANCH_NAMES):
+        for index, branch in enumerate(BRANCHES):
             if branch not in self.layer_scale and any(pair[index] is not None for pair in config.layer_init_values):
-                off = ", ".join(f"{b}: off" for b in BRANCH_NAMES if b not in self.layer_scale)
+                off = ", ".join(f"{b}: off" for b in BRANCHES if b not in self.layer_scale)
                 return (
                     f"init_values: LayerScale on the {branch} branch; a {self.name} model has it on "
                     f"{' and '.join(self.layer_scale) or 'no branch'} only (set {off})"
@@ -101,8 +117,13 @@ class FamilyRecord:
         return None
 
     def holders(self, config: Any) -> list[str]:
-        """The formats that hold `config` in full, by their fixes (what a key table drops is the format's)."""
-        return [name for name, held in self.formats.items() if not held.differences(config)]
+        """The formats that hold `config` in full, by their fixes and the layer options each holds (what a key
+        table drops is the format's)."""
+        return [
+            name
+            for name, held in self.formats.items()
+            if not held.differences(config) and unheld_option(config, name) is None
+        ]
 
 
 FAMILIES: dict[str, FamilyRecord] = {}
@@ -165,7 +186,7 @@ def layout_of_keys(keys: Collection[str]) -> str:
 _DINOV3_LAYOUT = {"norm_layer": "layernorm", "qk_norm": False, "grouped_attention": False}
 _EVA_DINOV3 = {"norm_eps": 1e-5, "proj_bias": True, "ffn_bias": True, "rope_normalize_coords": "separate"}
 # Meta's code has LayerNorm and RMSNorm (its norm_layer_dict), no qk-norm, every head.
-_META = {"qk_norm": False, "grouped_attention": False}
+_META = {"norm_layer": {"layernorm", "rmsnorm"}, "qk_norm": False, "grouped_attention": False}
 _DINOV3_FORMATS = {
     "native": Holding(),
     "meta": Holding(_META, ROPE_FP32),

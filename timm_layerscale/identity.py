@@ -34,11 +34,14 @@ from .checkpoints.mapping.plan import PERIODS, Plan, TensorInfo
 from .checkpoints.read.reader import LazyCheckpoint
 from .config import VitLsConfig, resolve_init_values
 from .families import family_record, layout_of_keys
+from .layer_options import options_in_keys, shown_args
 from .model import VisionTransformerLS
 from .variants import VARIANTS, Variant, VariantNameError, builtin_architecture, find_variant, load_variant
 
 __all__ = ["IdentifiedCheckpoint", "IdentifiedModel", "expected_state", "identify", "identify_checkpoint", "key_args"]
 
+# The layer options a checkpoint's keys decide over the variant's (`layer_options` signatures).
+KEYED_OPTIONS = ("norm_layer", "qk_norm")
 MAX_LISTED = 80  # characters of model arguments a reason lists; `IdentifiedModel.config` has them all
 # What makes a released DINOv3's shape: equal in these, a model has the shapes Meta trained.
 SHAPE_FIELDS = ("embed_dim", "depth", "num_heads", "patch_size", "ffn_layer", "ffn_ratio", "swiglu_align_to")
@@ -99,15 +102,15 @@ def key_args(
     args: dict[str, Any] = {
         "qkv_bias": has("qkv_bias", "blocks.0.attn.qkv.bias"),
         "proj_bias": "blocks.0.attn.proj.bias" in keys,
-        "ffn_bias": bool({"blocks.0.mlp.fc1.bias", "blocks.0.mlp.w1.bias"} & keys),
         "cls_norm": "cls_norm.weight" in keys,
         "local_cls_norm": has("local_cls_norm", "local_cls_norm.weight"),
         "num_classes": native.info("head.weight").shape[0] if "head.weight" in keys else 0,
         "init_values": _layer_scale(keys, depth, _first_init_value(base)),
         "mask_token": has("mask_token", "mask_token"),
-        "qk_norm": "blocks.0.attn.q_norm.weight" in keys,
-        "norm_layer": "layernorm" if "norm.bias" in keys or "norm.weight" not in keys else "rmsnorm",
+        **shown_args(keys),  # what the layer options' keys show (an FFN's bias)
     }
+    # The norm and the attention's switches by their options' signatures (the FFN's kind is the variant's shape).
+    args.update({k: v for k, v in options_in_keys(keys).items() if k in KEYED_OPTIONS})
     kv_heads = _kv_heads(native, depth)
     if kv_heads is not None:
         args["num_kv_heads"] = kv_heads
@@ -214,11 +217,13 @@ def _candidates(
 
 @dataclass(frozen=True)
 class _Weights:
-    """The weights being identified: in native keys, and the model args their format has no place for."""
+    """The weights being identified: in native keys, the model args their format has no place for, and the family
+    their format's keys say they are (None: the family records' rules read it from the native keys)."""
 
     native: Plan
     unheld: frozenset[str]
     fuse: bool
+    family: str | None = None
 
 
 def _config(
@@ -243,7 +248,8 @@ def _nearest(variants: Mapping[str, Variant], weights: _Weights, asked: Mapping[
     weights without them, so the arguments complete the variant the weights are and do not pick another."""
     infos = {k: weights.native.info(k) for k in weights.native}
     ranks, refusals = {}, []
-    layout = layout_of_keys(weights.native)  # the records' own rule: only variants of that layout are ranked
+    # Only variants of the weights' layout are ranked: their format's family's, else the records' rules'.
+    layout = family_record(weights.family).layout if weights.family else layout_of_keys(weights.native)
     variants = {n: v for n, v in variants.items() if family_record(v.config.family).layout == layout} or variants
     for name, variant in variants.items():
         try:
@@ -266,13 +272,15 @@ def identify(
     source_config: SourceConfig | None = None,
     fuse_layerscale: bool = False,
     unheld: frozenset[str] = frozenset(),
+    family: str | None = None,
 ) -> IdentifiedModel:
     """The variant and full config of a checkpoint in native keys. The variant is, first to last: `model` (a
     name, `NAME.TAG` or a YAML file), the variant the checkpoint records (`source_config.architecture`), the
-    nearest by shape. `source_config`'s args, then `model_kwargs`, complete its arguments. Raises
+    nearest by shape (among the variants of `family`'s layout, the family the weights' format says they are, where it
+    says). `source_config`'s args, then `model_kwargs`, complete its arguments. Raises
     `CheckpointError` naming the variant and the first key that differs when the weights do not fit it."""
     variants, tag, reason, misfit = _candidates(model, source_config)
-    weights = _Weights(native, unheld, fuse_layerscale)
+    weights = _Weights(native, unheld, fuse_layerscale, family)
     asked = dict(model_kwargs or {})
     name = _nearest(variants, weights, asked) if len(variants) > 1 else next(iter(variants))
     completing = dict(source_config.args) if source_config else {}
@@ -331,7 +339,8 @@ def identify_checkpoint(
     if prepare is not None:
         native = prepare(native)
     recorded = recorded_config(ckpt)
-    found = identify(native, model, model_kwargs, recorded, fuse_layerscale, source_format.unheld_args)
+    family = source_format.family_of_keys(list(ckpt))  # the format that read the keys knows whose they are
+    found = identify(native, model, model_kwargs, recorded, fuse_layerscale, source_format.unheld_args, family)
     return IdentifiedCheckpoint(source_format, native, found)
 
 

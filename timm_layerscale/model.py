@@ -23,9 +23,8 @@ except ImportError:
 from .checkpoints.load_hook import install_load_hook
 from .config import TRAINING_SWITCHES, VitLsConfig
 from .intermediates import IntermediatesMixin
+from .layer_options import layer_option
 from .layers import (
-    FFN_LAYERS,
-    NORMS,
     Block,
     KMaskedBiasLinear,
     LayerScale,
@@ -34,6 +33,7 @@ from .layers import (
     ffn_hidden_features,
     make_norm,
     naflex_patch_centres,
+    norm_classes,
     padding_key_mask,
     pool_valid_tokens,
     read_naflex_batch,
@@ -77,7 +77,7 @@ def _make_blocks(cfg: VitLsConfig, norm_layer: Callable[[int], nn.Module]) -> nn
             cfg.embed_dim,
             cfg.num_heads,
             mlp_hidden=mlp_hidden,
-            mlp_layer=FFN_LAYERS[cfg.ffn_layer],
+            mlp_layer=layer_option("ffn_layer", cfg.ffn_layer).layer,
             qkv_bias=cfg.qkv_bias,
             mask_k_bias=cfg.mask_k_bias,
             proj_bias=cfg.proj_bias,
@@ -192,7 +192,7 @@ class VisionTransformerLS(IntermediatesMixin, nn.Module):
                     nn.init.zeros_(module.bias)
                 if isinstance(module, KMaskedBiasLinear):
                     module.reset_bias_mask()
-            elif isinstance(module, (*NORMS, LayerScale, nn.Conv2d)):
+            elif isinstance(module, (*norm_classes(), LayerScale, nn.Conv2d)):
                 module.reset_parameters()
 
     reset_parameters = init_weights

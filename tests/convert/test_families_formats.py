@@ -16,7 +16,7 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file
-from support import FIXTURES, assert_fp32_close, move_off_init_
+from support import FIXTURES, assert_fp32_close, format_destination, move_off_init_
 from support.families import EVA_HAS_FAMILIES
 from transformers import DINOv3ViTModel, Sapiens2Model
 
@@ -24,6 +24,7 @@ from timm_layerscale import convert_checkpoint
 from timm_layerscale.checkpoints.errors import CheckpointError
 from timm_layerscale.checkpoints.formats import FORMATS
 from timm_layerscale.cli.listing import registered_variants
+from timm_layerscale.config import VitLsConfig
 from timm_layerscale.families import FAMILIES, either
 from timm_layerscale.publish import save_native
 from timm_layerscale.variants import VARIANTS
@@ -32,15 +33,14 @@ from timm_ls.main import main
 IMAGES = torch.randn(1, 3, 32, 48, generator=torch.Generator().manual_seed(0))
 SHAPE = dict(embed_dim=64, num_heads=4, depth=2)
 FP32_ROPE = dict(rope_dtype="fp32", rope_periods_bf16=False)  # as transformers and eva compute it
-# One small model of each family: (variant, its arguments at test size).
+# One small model of each family: (variant, its arguments at test size). A registered family without a row fails
+# `test_every_registered_family_and_format_is_in_the_matrix`; the formats are the registry's.
 FAMILY_MODELS = {
     "dinov3": ("vit_ls_small_patch16_dinov3", SHAPE),
     "eupe": ("vit_ls_tiny_patch16_dinov3", dict(embed_dim=192, num_heads=3, depth=2)),  # a DINOv3 of its own width
     "lingbot": ("vit_ls_small_patch16_lingbot", SHAPE),
     "sapiens2": ("vit_ls_base_patch16_sapiens2", dict(SHAPE, num_kv_heads=[4, 2])),
 }
-SHIPPED = ("native", "meta", "meta-train", "hf", "timm", "sapiens2")
-DESTINATIONS = {"native": "n", "meta": "m.pth", "meta-train": "mt.pth", "hf": "h", "timm": "t", "sapiens2": "s.pth"}
 EVA_NEEDS_NEW_TIMM = ("eupe", "lingbot", "sapiens2")  # eva's architectures of these arrived in timm 1.0.31
 
 
@@ -69,21 +69,24 @@ def loaded_back(to: str, dst, model, tmp_path) -> torch.Tensor:
     return timm.create_model(f"local-dir:{tmp_path / 'back'}", pretrained=True).eval().forward_features(IMAGES)
 
 
-def test_every_shipped_format_and_family_is_in_the_matrix():
-    assert set(SHIPPED) <= set(FORMATS)
-    # Every family of a shipped variant, as the registry records them: a family added without its row fails here.
+def test_every_registered_family_and_format_is_in_the_matrix():
+    # Every registered family has a row (a family added without one fails here), and so has each shipped variant's.
+    rows = {VARIANTS[variant].config.family for variant, _ in FAMILY_MODELS.values()}
     shipped = {VARIANTS[v["name"]].config.family for v in registered_variants() if v["shipped"]}
-    assert {VARIANTS[variant].config.family for variant, _ in FAMILY_MODELS.values()} == shipped
-    assert shipped == {"dinov3", "lingbot", "sapiens2"}
+    assert rows == set(FAMILIES) and shipped <= rows, (rows, set(FAMILIES), shipped)
+    assert list(FORMATS) == MATRIX_FORMATS  # the matrix's formats are the registry's, each once
 
 
-@pytest.mark.parametrize("to", SHIPPED)
+MATRIX_FORMATS = list(FORMATS)  # as registered when the tests are collected: the shipped ones
+
+
+@pytest.mark.parametrize("to", MATRIX_FORMATS)
 @pytest.mark.parametrize("family", FAMILY_MODELS)
 def test_each_family_is_held_by_each_format_its_record_names_and_refused_by_the_others(family, to, tmp_path):
     model = family_model(family)
     record = FAMILIES[model.config.family]
     save_native(model, tmp_path / "src")
-    dst = tmp_path / to / DESTINATIONS[to]
+    dst = format_destination(to, tmp_path / to)
     dst.parent.mkdir()
     if to not in record.formats:
         with pytest.raises(CheckpointError) as refused:
@@ -137,10 +140,21 @@ def test_a_dinov3_with_metas_rmsnorm_reads_metas_file_and_converts_to_meta_for_m
     assert code == 0 and "  norm_layer: rmsnorm" in out and "eps" not in out.split("norm_layer:")[1].split("\n")[0]
 
 
-@pytest.mark.parametrize("to", ["hf", "timm"])
+RMSNORM_DINOV3 = VitLsConfig(**RMSNORM_ARGS)
+# The formats whose record fixes a DINOv3's norm otherwise (transformers' DINOv3ViTModel, eva: LayerNorm only).
+WITHOUT_RMSNORM = [name for name, held in FAMILIES["dinov3"].formats.items() if held.differences(RMSNORM_DINOV3)]
+
+
+def test_the_formats_that_hold_a_dinov3_with_rmsnorm_are_its_records():
+    assert FAMILIES["dinov3"].holders(RMSNORM_DINOV3) == ["native", "meta", "meta-train"]
+    assert WITHOUT_RMSNORM == ["hf", "timm"]
+
+
+@pytest.mark.parametrize("to", WITHOUT_RMSNORM)
 def test_a_dinov3_with_rmsnorm_is_refused_by_layouts_without_it_naming_those_with_it(to, tmp_path):
     convert_checkpoint(META_RMSNORM, tmp_path / "native", to="native", model_kwargs=RMSNORM_ARGS)
     code, out, err = cli("convert", str(tmp_path / "native"), str(tmp_path / "out"), "--to", to)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "norm_layer='layernorm'" in err and "convert --to native, meta or meta-train instead" in err, err
+    holders = either(FAMILIES["dinov3"].holders(RMSNORM_DINOV3))
+    assert "norm_layer='layernorm'" in err and f"convert --to {holders} instead" in err, err
     assert not (tmp_path / "out").exists()

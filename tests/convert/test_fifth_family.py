@@ -15,7 +15,7 @@ import pytest
 import timm
 import torch
 from safetensors.torch import load_file
-from support import assert_fp32_close, forget_timm_model, move_off_init_
+from support import assert_fp32_close, forget_timm_model, format_destination, move_off_init_
 
 from timm_layerscale import (
     FAMILIES,
@@ -145,13 +145,14 @@ def test_it_is_written_in_its_own_keys_read_back_by_its_own_rule_and_refused_els
     assert again.config.family == "toyvit"
     assert_fp32_close(again.forward_features(IMAGES), model.forward_features(IMAGES))
 
-    for to, dst in (("meta", "m.pth"), ("meta-train", "t.pth"), ("hf", "h"), ("timm", "e"), ("sapiens2", "s.pth")):
+    for to in (name for name in FORMATS if name not in RECORD.formats):  # every registered format it has no place in
+        dst = format_destination(to, tmp_path)
         with pytest.raises(CheckpointError) as refused:
-            convert_checkpoint(tmp_path / "src", tmp_path / dst, to=to)
+            convert_checkpoint(tmp_path / "src", dst, to=to)
         line = str(refused.value)
         assert "\n" not in line and "cannot hold a toyvit model" in line, line
         assert line.endswith("convert --to native or toyvit instead"), line
-        assert not (tmp_path / dst).exists()
+        assert not dst.exists()
 
 
 def test_the_docs_and_the_configs_refusal_name_it_from_its_record(toyvit):

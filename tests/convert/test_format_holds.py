@@ -8,11 +8,14 @@ import json
 import pytest
 import timm
 import torch
-from support import assert_fp32_close, move_off_init_
+from support import assert_fp32_close, format_destination, move_off_init_
 from transformers import DINOv3ViTModel, Sapiens2Model
 
 from timm_layerscale import convert_checkpoint
 from timm_layerscale.checkpoints.errors import CheckpointError
+from timm_layerscale.checkpoints.formats import FORMATS
+from timm_layerscale.families import FAMILIES as FAMILY_RECORDS
+from timm_layerscale.layer_options import OPTIONS
 from timm_layerscale.publish import save_native
 
 IMAGES = torch.randn(1, 3, 32, 48, generator=torch.Generator().manual_seed(0))
@@ -26,16 +29,21 @@ FAMILIES = {
     "lingbot": ("vit_ls_small_patch16_lingbot", SHAPE),
     "sapiens2": ("vit_ls_base_patch16_sapiens2", dict(SHAPE, num_kv_heads=[4, 2])),
 }
+# Each registered layer option (norm, FFN, the attention's switches) as a switch of its own, from the registry: an
+# option added there is in the matrix, and one no row's model takes fails `test_every_registered_family_and_...`.
+OPTION_SWITCHES = {
+    f"{name}={value}": (lambda c, name=name, value=value: {name: value})
+    for name, values in OPTIONS.items()
+    for value in values
+}
 SWITCHES = {
     "as_shipped": lambda c: {},
-    "qk_norm": lambda c: {"qk_norm": not c.qk_norm},
-    "norm_layer": lambda c: {"norm_layer": "layernorm" if c.norm_layer == "rmsnorm" else "rmsnorm"},
+    **OPTION_SWITCHES,
     "kv_heads": lambda c: {"num_kv_heads": None if c.grouped_attention else [c.num_heads, 1]},
     "mask_token": lambda c: {"mask_token": not c.mask_token},
     "layer_scale_attn_only": lambda c: {"init_values": {"attn": 1e-4, "mlp": None}},
     "layer_scale_mlp_only": lambda c: {"init_values": {"attn": None, "mlp": 1e-4}},
     "layer_scale_off": lambda c: {"init_values": None},
-    "ffn_layer": lambda c: {"ffn_layer": "mlp" if c.ffn_layer == "swiglu" else "swiglu"},
     "storage_tokens": lambda c: {"num_storage_tokens": 0 if c.num_storage_tokens else 4},
     "qkv_bias": lambda c: {"qkv_bias": not c.qkv_bias},
     "mask_k_bias": lambda c: {"mask_k_bias": not c.mask_k_bias},
@@ -44,15 +52,46 @@ SWITCHES = {
     "norm_eps": lambda c: {"norm_eps": 1e-3},
     "rope_normalize_coords": lambda c: {"rope_normalize_coords": "max"},
 }
-DESTINATIONS = {"native": "n", "meta": "m.pth", "meta-train": "mt.pth", "hf": "h", "timm": "t", "sapiens2": "s.pth"}
+
+
+def meta_model(variant: str, **args) -> torch.nn.Module:
+    with torch.device("meta"):
+        return timm.create_model(variant, num_classes=0, **args)
+
+
+def shipped_config(family: str):
+    variant, shape = FAMILIES[family]
+    return meta_model(variant, **shape).config
+
+
+def source_args(family: str, switch: str) -> dict:
+    return {**FAMILIES[family][1], **FP32_ROPE, **SWITCHES[switch](shipped_config(family))}
 
 
 def source_model(family: str, switch: str) -> torch.nn.Module:
-    variant, shape = FAMILIES[family]
-    shipped = timm.create_model(variant, num_classes=0, **shape).config
-    args = {**shape, **FP32_ROPE, **SWITCHES[switch](shipped)}
     torch.manual_seed(0)
-    return move_off_init_(timm.create_model(variant, num_classes=0, **args)).eval()
+    model = timm.create_model(FAMILIES[family][0], num_classes=0, **source_args(family, switch))
+    return move_off_init_(model).eval()
+
+
+def shipped_args(family: str) -> set:
+    config = shipped_config(family)
+    return {(name, getattr(config, name)) for name in OPTIONS}
+
+
+def test_every_registered_family_and_option_is_in_the_matrix():
+    """A family registered without a row, or an option no row's model takes, fails here (the matrix would skip it)."""
+    rows = {shipped_config(family).family for family in FAMILIES}
+    assert rows == set(FAMILY_RECORDS), (rows, set(FAMILY_RECORDS))
+    for switch in OPTION_SWITCHES:
+        taken = []
+        for family, (variant, _) in FAMILIES.items():
+            try:
+                meta_model(variant, **source_args(family, switch))
+            except ValueError:
+                continue
+            taken.append(family)
+        assert taken, f"no family's model takes {switch}: the matrix never converts it"
 
 
 @torch.no_grad()
@@ -71,6 +110,8 @@ def loaded_back(to: str, dst, model, tmp_path) -> torch.Tensor:
 @pytest.mark.parametrize("switch", SWITCHES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_format_holds_the_model_in_full_or_refuses_in_one_line(family, switch, tmp_path):
+    if switch in OPTION_SWITCHES and not SWITCHES[switch](shipped_config(family)).items() - shipped_args(family):
+        pytest.skip("the family's own value: as_shipped converts it")
     try:
         model = source_model(family, switch)
     except ValueError:
@@ -78,8 +119,8 @@ def test_every_format_holds_the_model_in_full_or_refuses_in_one_line(family, swi
     save_native(model, tmp_path / "src")
     with torch.no_grad():
         expected = model.forward_features(IMAGES)
-    for to, name in DESTINATIONS.items():
-        dst = tmp_path / to / name
+    for to in FORMATS:
+        dst = format_destination(to, tmp_path / to)
         dst.parent.mkdir()
         try:
             convert_checkpoint(tmp_path / "src", dst, to=to)

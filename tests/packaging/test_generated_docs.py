@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from support import REPO
 
+from timm_layerscale.checkpoints.formats import FORMATS
 from timm_layerscale.docs_tables import MARKED, OPENING, PAGES, REGENERATE, render, rendered_sections, stale_pages
+from timm_layerscale.families import FAMILIES
 from timm_ls.parsers import COMMANDS
 
 # Each page and the sections it must keep (a section whose markers were deleted would otherwise never differ):
@@ -88,10 +90,10 @@ def test_the_readme_lists_every_family_and_every_format_the_command_takes():
     readme = (REPO / "README.md").read_text()
     rows = [line for line in readme.splitlines() if line.startswith("| `vit_ls_")]
     families = {family for row in rows for family in row.split(" | ")[1].split(", ")}
-    assert families == {"DINOv3", "EUPE", "LingBot-Vision", "Sapiens2"}
-    for name in ("native", "meta", "meta-train", "hf", "timm", "sapiens2"):
+    assert families == {title for record in FAMILIES.values() for title in record.title.split(", ")}
+    for name in FORMATS:  # every registered format, from the registry
         assert f"- `{name}`: " in readme, name
-    assert "--to {native,meta,meta-train,hf,timm,sapiens2}" in (REPO / "docs/commands/convert.md").read_text()
+    assert f"--to {{{','.join(FORMATS)}}}" in (REPO / "docs/commands/convert.md").read_text()
 
 
 def test_a_removed_row_or_an_unknown_section_is_seen(sections):

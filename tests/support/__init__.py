@@ -15,8 +15,9 @@ from timm.models import _registry as timm_registry  # its private tables: forget
 from torch import nn
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
 
-import timm_layerscale  # noqa: F401  (registers the variants)
+import timm_layerscale  # registers the variants; its FORMATS name where tests write
 from timm_layerscale.layers import swiglu_hidden_features
+from timm_ls.names import FOLDER
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -200,6 +201,13 @@ def build_from_meta_file(name: str, **kwargs) -> nn.Module:
         local_cls_norm=meta["untie_global_and_local_cls_norm"],
         **kwargs,
     ).eval()
+
+
+def format_destination(name: str, parent: Path) -> Path:
+    """Where a test writes format `name` under `parent`: a folder, or a file with the format's first suffix (from
+    its registered `FormatSpec`, so a format added to the registry needs no row here)."""
+    spec = timm_layerscale.FORMATS[name].spec
+    return parent / (name if spec.writes == FOLDER else f"{name}{spec.suffixes[0]}")
 
 
 def forget_timm_model(name: str) -> None:

@@ -1,17 +1,15 @@
 from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask, qkv_sizes, split_qkv
 from .block import Block
-from .ffn import FFN_LAYERS, SwiGLU, ffn_hidden_features, swiglu_hidden_features
+from .ffn import SwiGLU, ffn_hidden_features, swiglu_hidden_features
 from .layer_scale import LayerScale, add_scaled, fold_gamma, layer_scale_or_identity
 from .naflex_batch import NaFlexBatch, read_naflex_batch
 from .naflex_embed import embed_patches
 from .naflex_grid import naflex_patch_centres, padding_key_mask
 from .naflex_pool import pool_valid_tokens
-from .norm import NORMS, make_norm
+from .norm import make_norm, norm_classes
 from .rope import RopeEmbedding, apply_rope
 
 __all__ = [
-    "FFN_LAYERS",
-    "NORMS",
     "Attention",
     "Block",
     "KMaskedBiasLinear",
@@ -29,6 +27,7 @@ __all__ = [
     "layer_scale_or_identity",
     "make_norm",
     "naflex_patch_centres",
+    "norm_classes",
     "padding_key_mask",
     "pool_valid_tokens",
     "qkv_sizes",

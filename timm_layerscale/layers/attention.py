@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_function
 from torch import nn
 
+from ..layer_options import LayerOption, register_option
 from .rope import apply_rope, apply_rope_into
 
 
@@ -136,3 +137,8 @@ class Attention(nn.Module):
             q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.0
         )
         return self.proj_drop(self.proj(x.transpose(1, 2).reshape(batch, tokens, dim)))
+
+
+# The attention's switches as checkpoint keys show them: a qk-norm has a q-norm weight (LayerNorm's or RMSNorm's).
+register_option(LayerOption("qk_norm", True, Attention, signature=("blocks.0.attn.q_norm.weight",)))
+register_option(LayerOption("qk_norm", False, Attention))

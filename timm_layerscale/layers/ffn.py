@@ -1,7 +1,12 @@
+"""The feed-forward layers a config names, each declared once (`layer_options`): timm's Mlp (GELU) or SwiGLU,
+told apart in a checkpoint by their first projection's key."""
+
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp
 from torch import nn
+
+from ..layer_options import LayerOption, register_option
 
 
 def swiglu_hidden_features(dim: int, ffn_ratio: float, align_to: int) -> int:
@@ -31,5 +36,13 @@ class SwiGLU(nn.Module):
         return self.drop(self.w3(F.silu(self.w1(x)) * self.w2(x)))
 
 
-# The feed-forward class of each config `ffn_layer`: timm's Mlp (GELU by default) or SwiGLU.
-FFN_LAYERS: dict[str, type[nn.Module]] = {"mlp": Mlp, "swiglu": SwiGLU}
+register_option(
+    LayerOption(
+        "ffn_layer", "mlp", Mlp, signature=("blocks.0.mlp.fc1.weight",), shows={"ffn_bias": "blocks.0.mlp.fc1.bias"}
+    )
+)
+register_option(
+    LayerOption(
+        "ffn_layer", "swiglu", SwiGLU, signature=("blocks.0.mlp.w1.weight",), shows={"ffn_bias": "blocks.0.mlp.w1.bias"}
+    )
+)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..mapping.gamma_keys import register_spelling
 from .base import CONFIG_FILE, WEIGHTS_FILE, Format, Job, PreparedWrite, SourceConfig
 from .foreign import foreign_family
 from .hf import HF
@@ -53,9 +54,11 @@ SHIPPED_RECOGNITION = ("sapiens2", "timm", "hf", "native", "meta")
 
 
 def register_format(added: Format) -> Format:
-    """Adds a format: `convert_checkpoint(..., to=added.name)` writes it, and files it `recognise`s are read."""
+    """Adds a format: `convert_checkpoint(..., to=added.name)` writes it, files it `recognise`s are read (as the
+    family its keys say, `family_of_keys`), and reports read LayerScale in its spelling."""
     if not isinstance(added, Format):
         raise TypeError(f"register_format takes a Format, got {type(added).__name__}")
+    register_spelling(added.gamma_spelling, added.gamma_pattern)
     FORMATS[added.name] = added
     return added
 

@@ -20,7 +20,8 @@ from timm_ls.destinations import format_destination_problem
 from timm_ls.names import FormatSpec
 
 from ...config import FFN_RATIO, MAX_RATIO, MAX_WIDTH, Rule, VitLsConfig, int_in, shown
-from ...families import ROPE_FP32, ROPE_KEPT, Holding, either, family_record, named
+from ...families import ROPE_FP32, ROPE_KEPT, Holding, either, family_record, fixed_words
+from ...layer_options import unheld_option
 from ...layers import effective_qkv_bias, ffn_hidden_features, split_qkv
 from ..errors import CheckpointError
 from ..mapping.gamma_keys import NATIVE_GAMMA_KEY, NATIVE_SPELLING, gamma_name, native_gamma_key
@@ -93,6 +94,16 @@ class Format:
     # config values it fixes for each and what its code does with RoPE are the family records' (`families`).
     may_drop: frozenset[str] = frozenset()
     rope_code = ""  # the code that builds this format's model, as the RoPE rule's line names it
+    # The family its keys are where they are one family's own (identity ranks only that family's variants); "" where
+    # they are a layout several families share, which the family records' rules read from the native keys.
+    family = ""
+    # LayerScale in its keys, N the branch (`gamma_keys`); `gamma_pattern` where one word with N cannot say it.
+    gamma_spelling = NATIVE_SPELLING
+    gamma_pattern = ""
+
+    def family_of_keys(self, keys: Sequence[str]) -> str | None:
+        """The family a checkpoint in this format's keys is, where its keys say (`family`), else None."""
+        return self.family or None
 
     def holding(self, config: VitLsConfig) -> Holding:
         """What this format holds of the config's family (its record's), or one error line naming what it lacks
@@ -106,8 +117,14 @@ class Format:
             )
         for name, fixed, value in held.differences(config)[:1]:
             raise CheckpointError(
-                f"{self.title} fix {named(name)}={fixed!r} for a {record.name} model, this model has {value!r}: "
+                f"{self.title} fix {fixed_words(name, fixed)} for a {record.name} model, this model has {value!r}: "
                 f"--to {self.name} cannot hold it; convert --to {instead} instead"
+            )
+        option = unheld_option(config, self.name)  # a layer whose declaration does not name this format
+        if option is not None:
+            raise CheckpointError(
+                f"{self.title} have no place for {option.field}={option.value!r}: --to {self.name} cannot hold it; "
+                f"convert --to {instead} instead"
             )
         return held
 

@@ -241,6 +241,7 @@ class HuggingFace(Format):
     unheld_args = frozenset({"local_cls_norm"})  # DINOv3ViTModel has no local-crop norm
     may_drop = frozenset({PERIODS, "local_cls_norm", "head"})
     rope_code = "transformers"
+    gamma_spelling = SPELLING
 
     def recognise(self, keys: Sequence[str]) -> bool:
         lambda1 = f".{gamma_name(SPELLING, 1)}"

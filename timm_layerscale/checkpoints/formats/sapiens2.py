@@ -80,6 +80,10 @@ class Sapiens2(Format):
     table = TABLE
     unheld_args = frozenset({"mask_token"})  # released backbones drop it: a file without one says nothing
     may_drop = frozenset({"mask_token", "head", "local_cls_norm"})
+    family = "sapiens2"
+    # LayerScale inside the attention module, and `ffn.gamma2.weight` where its FFN has one (released: none).
+    gamma_spelling = GAMMA
+    gamma_pattern = r"(?:attn\.gamma|ffn\.gamma(2))\.weight"
 
     def recognise(self, keys: Sequence[str]) -> bool:
         return (

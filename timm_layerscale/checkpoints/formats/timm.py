@@ -259,6 +259,7 @@ class TimmEva(Format):
     unheld_args = frozenset({"qkv_bias", "local_cls_norm", "mask_token"})
     may_drop = frozenset({PERIODS, "local_cls_norm", "mask_token"})
     rope_code = "timm's eva"
+    gamma_spelling = SPELLING
 
     def recognise(self, keys: Sequence[str]) -> bool:
         eva_keys = (*(f".{gamma_name(SPELLING, n)}" for n in (1, 2)), ".attn.q_bias", ".mlp.fc1_g.weight")

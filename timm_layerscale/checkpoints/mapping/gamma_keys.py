@@ -1,7 +1,9 @@
 """LayerScale's key spellings, in one table that every format, timm family and report reads them from.
 
 A spelling names a block's LayerScale vector after its `<stack>.<block>.` prefix, with N the branch:
-1 scales the attention, 2 the MLP (`BRANCHES[N - 1]`).
+1 scales the attention, 2 the MLP (`BRANCHES[N - 1]`). The spellings of timm's and the original code's families
+are written here; each format declares its own (`Format.gamma_spelling`) and registering it adds the spelling
+(`register_spelling`), so a report reads a new format's gammas without a line here.
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ def _branch_pattern(spelling: str) -> str:
     return re.escape(spelling).replace("N", "([12])")
 
 
-# Sapiens2's own keys: LayerScale inside the attention module (`attn.gamma.weight`), and `ffn.gamma2.weight` where
-# its FFN has one (its released backbones have none). Read, never written by rename_layer_scale.
-SAPIENS2_SPELLING = "attn.gamma.weight"
 # A spelling's pattern matches a key's rest after `<stack>.<block>.`; its one group is the branch (unset: 1).
-SPELLING_PATTERNS = {
-    **{spelling: re.compile(_branch_pattern(spelling)) for spelling in GAMMA_SPELLINGS},
-    SAPIENS2_SPELLING: re.compile(r"(?:attn\.gamma|ffn\.gamma(2))\.weight"),
-}
+SPELLING_PATTERNS = {spelling: re.compile(_branch_pattern(spelling)) for spelling in GAMMA_SPELLINGS}
+
+
+def register_spelling(spelling: str, pattern: str = "") -> None:
+    """Adds a format's spelling (N the branch) to what reports read; `pattern` where it is not one word with N in it
+    (its one group the branch, unset: 1). Read only: `rename_layer_scale` writes the spellings of the table above."""
+    if not pattern and "N" not in spelling:
+        raise ValueError(f"gamma spelling {spelling!r}: N marks the branch (lsN.gamma); or give its pattern")
+    SPELLING_PATTERNS.setdefault(spelling, re.compile(pattern or _branch_pattern(spelling)))
+
+
 # Any spelling at the end of a key (one group per spelling, in table order, holds the branch).
 ANY_GAMMA_KEY = re.compile(r"(^|\.)(?:" + "|".join(map(_branch_pattern, GAMMA_SPELLINGS)) + r")$")
 # A native gamma key: groups (block, branch).

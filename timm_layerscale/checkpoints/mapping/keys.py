@@ -71,8 +71,9 @@ def block_count(keys: Iterable[str], prefix: str = "blocks.") -> int:
 
 
 @dataclass(frozen=True)
-class Rule:
-    """Native keys <-> format keys; the functions map the tensors (in pattern order) each way."""
+class KeyRow:
+    """One row of a key table: native keys <-> format keys; the functions map the tensors (in pattern order) each
+    way. (A config field's check is `config.Rule`.)"""
 
     native: tuple[KeyPattern, ...]
     format_keys: tuple[KeyPattern, ...]
@@ -80,32 +81,32 @@ class Rule:
     to_format: StepFn = same
 
 
-def row(native: str | tuple[str, ...], format_keys: str | tuple[str, ...], to_native=same, to_format=same) -> Rule:
+def row(native: str | tuple[str, ...], format_keys: str | tuple[str, ...], to_native=same, to_format=same) -> KeyRow:
     def patterns(keys):
         return tuple(KeyPattern(k) for k in ((keys,) if isinstance(keys, str) else keys))
 
-    return Rule(patterns(native), patterns(format_keys), to_native, to_format)
+    return KeyRow(patterns(native), patterns(format_keys), to_native, to_format)
 
 
-def _match(keys: list[str], rules: Iterable[Rule], from_native: bool, options: Mapping[str, Any]):
-    """Steps mapping `keys` across the rules, and the keys no rule covers.
+def _match(keys: list[str], rows: Iterable[KeyRow], from_native: bool, options: Mapping[str, Any]):
+    """Steps mapping `keys` across the rows, and the keys no row covers.
 
-    A rule applies to a group of keys when all its required keys are there; the first that applies wins,
+    A row applies to a group of keys when all its required keys are there; the first that applies wins,
     so the gated-MLP rows (which need a gate key) come before the plain ones that share a key name.
     """
     present, placed, steps = set(keys), set(), []
     for key in keys:
         if key in placed:
             continue
-        for rule in rules:
-            src, dst = (rule.native, rule.format_keys) if from_native else (rule.format_keys, rule.native)
+        for key_row in rows:
+            src, dst = (key_row.native, key_row.format_keys) if from_native else (key_row.format_keys, key_row.native)
             groups = next((g for p in src if (g := p.match(key)) is not None), None)
             if groups is None:
                 continue
             inputs = [p.fill(groups) for p in src]
             if any(k not in present and not p.optional for k, p in zip(inputs, src)):
                 continue
-            fn = rule.to_format if from_native else rule.to_native
+            fn = key_row.to_format if from_native else key_row.to_native
             outputs = tuple(p.fill(groups) for p in dst)
             steps.append(Step(outputs, tuple(k if k in present else None for k in inputs), partial(fn, **options)))
             placed.update(k for k in inputs if k in present)
@@ -115,20 +116,20 @@ def _match(keys: list[str], rules: Iterable[Rule], from_native: bool, options: M
 
 @dataclass(frozen=True)
 class KeyTable:
-    rules: tuple[Rule, ...]
+    rows: tuple[KeyRow, ...]
     # Spellings of the same keys that reading accepts (source prefix -> table prefix).
     aliases: tuple[tuple[str, str], ...] = field(default=())
 
     def to_native(self, source: Mapping[str, Tensor]) -> Plan:
         """Native keys from this table's; keys the table does not know pass through (for the checks to name)."""
         spelled = {self._unalias(k): k for k in source}
-        steps, unknown = _match(list(spelled), self.rules, from_native=False, options={})
+        steps, unknown = _match(list(spelled), self.rows, from_native=False, options={})
         steps = [Step(s.outputs, tuple(spelled.get(k) if k else None for k in s.inputs), s.fn) for s in steps]
         return Plan(source, [*steps, *passthrough(spelled[k] for k in unknown)])
 
     def from_native(self, native: Mapping[str, Tensor], **options: Any) -> tuple[Plan, list[str]]:
         """This table's keys from native ones, and the native keys it has no place for."""
-        steps, unheld = _match(list(native), self.rules, from_native=True, options=options)
+        steps, unheld = _match(list(native), self.rows, from_native=True, options=options)
         return Plan(native, steps), unheld
 
     def _unalias(self, key: str) -> str:

@@ -20,12 +20,12 @@ from .plan import Step, TensorInfo
 
 # Values LayerScale is commonly initialised to: a gamma vector equal to one of them was never trained.
 COMMON_INIT_VALUES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1)
-BRANCH_NAMES = ("attention", "MLP")  # LayerScale's branches, as the report names them
+BRANCH_WORDS = ("attention", "MLP")  # LayerScale's branches (`families.BRANCHES`), as the report names them
 
 
 def branches_with_layer_scale(layer_init_values: Sequence[tuple[float | None, float | None]]) -> tuple[str, ...]:
     """The branches ("attention", "MLP") on which some block of a config's `layer_init_values` has LayerScale."""
-    return tuple(name for i, name in enumerate(BRANCH_NAMES) if any(values[i] for values in layer_init_values))
+    return tuple(name for i, name in enumerate(BRANCH_WORDS) if any(values[i] for values in layer_init_values))
 
 
 def branch_output_projection(keys: Mapping[str, Any] | set[str], block: int, branch: str) -> str | None:
