@@ -1,8 +1,9 @@
-"""Self-supervised pretraining pieces, as Meta's DINOv3 trainer has them: the losses (`losses`) and the
-projection head (`heads.DINOHead`)."""
+"""Self-supervised pretraining pieces, as Meta's DINOv3 trainer has them: the losses (`losses`), the
+projection head (`heads.DINOHead`) and iBOT's block masks (`masking`)."""
 
 from .heads import DINOHead
 from .losses import DINOLoss, GramLoss, KoLeoLoss, KoLeoLossDistributed, iBOTPatchLoss, sinkhorn_knopp
+from .masking import MaskingGenerator, collate_masks
 
 __all__ = [
     "DINOHead",
@@ -10,6 +11,8 @@ __all__ = [
     "GramLoss",
     "KoLeoLoss",
     "KoLeoLossDistributed",
+    "MaskingGenerator",
+    "collate_masks",
     "iBOTPatchLoss",
     "sinkhorn_knopp",
 ]
