@@ -52,3 +52,17 @@ def test_ibot_sinkhorn_knopp_teacher_is_metas_and_leaves_the_count():
     count = torch.full((1,), len(logits), dtype=torch.long)
     assert_meta(iBOTPatchLoss(16).sinkhorn_knopp_teacher(logits, 0.07, count), "r1.ibot.sk_0.07")
     assert count.item() == len(logits)
+
+
+def test_the_shared_function_defaults_to_metas_three_iterations():
+    logits = meta("r1.dino.teacher_logits")
+    assert_meta(sinkhorn_knopp(logits, 0.07, n_samples=len(logits)), "r1.dino.sk_0.07")
+    two = sinkhorn_knopp(logits, 0.07, n_samples=len(logits), n_iterations=2)
+    assert (two - meta("r1.dino.sk_0.07")).abs().max() > 1e-4
+
+
+def test_the_sample_count_only_scales_and_cancels():
+    """Meta's count (the world's samples) divides each sample's column and multiplies it back at the end: any
+    positive count gives the same assignments, up to rounding."""
+    logits = meta("r1.dino.teacher_logits")
+    torch.testing.assert_close(sinkhorn_knopp(logits, 0.07, 8), sinkhorn_knopp(logits, 0.07, 1000), atol=1e-6, rtol=0)
