@@ -51,6 +51,7 @@ LAYERS = (
     ("export", 7),
     ("tools", 7),
     ("probe", 7),
+    ("pretrain", 7),  # losses, heads and masks of self-supervised training: torch alone so far
     ("cli.__main__", 9),  # `python -m timm_layerscale.cli`: the entry point's other name
     ("cli", 8),
     ("docs_tables", 9),  # the README's and docs' tables from the registry, the commands' parsers and `list`
