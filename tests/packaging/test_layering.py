@@ -26,6 +26,7 @@ LAYERS = (
     ("timm_ls.image_folder", -1),
     ("timm_ls.layer_sets", -1),
     ("timm_ls.cpu", -1),
+    ("timm_ls.model_source", -1),
     ("families", 0),  # the family records: below config, which records a family and is checked by its record
     ("config", 0),
     ("layers", 1),

@@ -25,6 +25,7 @@ from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
 from timm_ls import paths
+from timm_ls.model_source import ModelSource
 
 from ..publish import save_native
 from ..tools.experiment import Experiment, check, load_experiment
@@ -292,9 +293,9 @@ def _model_with_weights(args: argparse.Namespace) -> tuple[nn.Module, str, str]:
     """The model and where its weights come from: a checkpoint by the one identity rule (--variant then only
     names it), else the variant's pretrained weights."""
     if args.checkpoint:
-        return build_from_checkpoint(args, args.variant)
+        return build_from_checkpoint(ModelSource.of(args), args.variant)
     variant, tag = resolve_variant(args.variant or load_experiment(args.config).variant)
-    model, source = build(args, variant, tag, offline_random=True)
+    model, source = build(ModelSource.of(args), variant, tag, offline_random=True)
     return model, source, f"{variant.name}{f'.{tag}' if tag else ''}"
 
 

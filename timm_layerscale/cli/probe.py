@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from timm_ls.image_folder import SEGMENTATION, ImageFolder, read_image_folder
+from timm_ls.model_source import ModelSource
 
 from ..probe import data, evaluate, report
 from ..probe.cache import FeatureCache, weights_digest
@@ -97,7 +98,7 @@ def _pictures(args, folder: ImageFolder, sets, transform, result, num_classes: i
 
 def _rows_of_model(args, folder: ImageFolder, name: str | None, device, num_classes: int) -> list[dict]:
     torch.manual_seed(0)  # random-init weights are the same on every run: their cache is found again
-    loaded = load_model(argparse.Namespace(**{**vars(args), "model": name}))
+    loaded = load_model(name, ModelSource.of(args))
     depth = len(loaded.model.blocks)
     layer_sets = [(text, evaluate.layer_blocks(text, depth)) for text in args.layer or ["last"]]
     blocks = sorted({b for _, found in layer_sets for b in found})
