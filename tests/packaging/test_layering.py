@@ -27,6 +27,7 @@ LAYERS = (
     ("timm_ls.layer_sets", -1),
     ("timm_ls.cpu", -1),
     ("timm_ls.model_source", -1),
+    ("timm_ls.probe_request", -1),
     ("families", 0),  # the family records: below config, which records a family and is checked by its record
     ("config", 0),
     ("layers", 1),
