@@ -17,13 +17,6 @@ TOKENS = ("cls", "avgpool", "cls+avgpool")  # what the logistic regression may r
 KNN_TOKENS = "cls"  # what the kNN reads, always: the CLS token, as Meta's kNN evaluation does
 
 
-def check_tokens(tokens: str) -> str:
-    """One of `TOKENS`, else a `ValueError` naming the choices (the front says the same as a `CliError`)."""
-    if tokens not in TOKENS:
-        raise ValueError(f"unknown token choice {tokens!r}; pass --tokens one of {', '.join(TOKENS)}")
-    return tokens
-
-
 @dataclass(frozen=True)
 class LayerChoice:
     """One `--layer` value: a block index (`index`, negative from the end) or a layer-set name (`text`);
@@ -95,10 +88,8 @@ def _check_counts(args: argparse.Namespace) -> None:
 def probe_request(args: argparse.Namespace) -> ProbeRequest:
     """The request `args` make: `--layer`, `--tokens` and the counts checked here, once (the paths and the
     choices shared with other commands are the front's checks)."""
-    try:
-        tokens = check_tokens(args.tokens)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    if args.tokens not in TOKENS:
+        raise CliError(f"unknown token choice {args.tokens!r}; pass --tokens one of {', '.join(TOKENS)}")
     layers = tuple(parse_layer(text) for text in args.layer or ["last"])
     _check_counts(args)
     return ProbeRequest(
@@ -108,7 +99,7 @@ def probe_request(args: argparse.Namespace) -> ProbeRequest:
         models=tuple(args.model or [None]),
         source=ModelSource.of(args),
         layers=layers,
-        tokens=tokens,
+        tokens=args.tokens,
         val_split=args.val_split,
         seed=args.seed,
         batch=args.batch,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from timm_ls.image_folder import read_image_folder
 from timm_ls.probe_request import ProbeRequest
 
 from ..probe import report
@@ -22,7 +21,7 @@ def execute(request: ProbeRequest) -> int:
     device = find_device(request.device)
     if request.threads:
         torch.set_num_threads(request.threads)
-    folder = request.folder or read_image_folder(request.data, request.task)
+    folder = request.folder
     num_classes = check_data(folder, request)
     rows = []
     for name in request.models:

@@ -93,33 +93,29 @@ def read_mask(path: Path) -> np.ndarray:
         return np.asarray(mask, dtype=np.uint8).copy()
 
 
-def check_mask_sizes(images: list[Path], masks: list[Path]) -> None:
-    """Every mask has its image's size (headers only): refused in one line before any forward. An image that
+def mask_classes(images: list[Path], masks: list[Path]) -> set[int]:
+    """The class indices a split's masks hold (255 included where present), each mask read once and refused in
+    one line where its size is not its image's (from the image's header) before any forward. An image that
     cannot be read is left to the reading, which skips or refuses it."""
-    for image, mask in zip(images, masks):
+    found: set[int] = set()
+    for image, path in zip(images, masks):
+        mask = read_mask(path)
         try:
             want = header_size(image)
         except ValueError:
-            continue
-        got = header_size(mask, "mask", MASK_FIX)
-        if got != want:
+            want = mask.shape[::-1]
+        if mask.shape[::-1] != want:
             raise ValueError(
-                f"mask {mask} is {got[0]}x{got[1]} px and its image {image} is {want[0]}x{want[1]} px; a mask "
-                f"needs its image's size"
+                f"mask {path} is {mask.shape[1]}x{mask.shape[0]} px and its image {image} is {want[0]}x{want[1]} "
+                f"px; a mask needs its image's size"
             )
+        found.update(np.unique(mask).tolist())
+    return found
 
 
 def load_image(path: Path) -> Image.Image:
     """The image as RGB, or a `ValueError` naming it (`tools.dense.read_image`)."""
     return read_image(path)
-
-
-def mask_classes(masks: list[Path]) -> set[int]:
-    """The class indices the masks hold (255 included where present)."""
-    found: set[int] = set()
-    for mask in masks:
-        found.update(np.unique(read_mask(mask)).tolist())
-    return found
 
 
 def refuse_unreadable(images: list[Path]) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from timm_ls.probe_request import KNN_TOKENS, check_tokens
+from timm_ls.probe_request import KNN_TOKENS, TOKENS
 
 from .data import IGNORE
 from .extract import SplitFeatures
@@ -50,7 +50,8 @@ def tokens_of(split: SplitFeatures, rows: torch.Tensor, blocks: list[int], token
     """The classifier's input: `cls` (each block's CLS, concatenated), `avgpool` (each block's mean patch token)
     or `cls+avgpool` (Meta's linear input: the CLS tokens, then the last block's mean patch token); any other
     value is a `ValueError`."""
-    check_tokens(tokens)
+    if tokens not in TOKENS:
+        raise ValueError(f"unknown token choice {tokens!r}; pass --tokens one of {', '.join(TOKENS)}")
     cls = [split.blocks[b]["cls"][rows] for b in blocks]
     if tokens == "cls":
         return torch.cat(cls, dim=1)

@@ -36,10 +36,8 @@ def check_data(folder: ImageFolder, request: ProbeRequest) -> int:
     if folder.task != SEGMENTATION:
         _check_train_size(folder, request)
         return len(folder.classes)
-    for split in splits:
-        data.check_mask_sizes(split.images, split.masks)
-    train = data.mask_classes(folder.train.masks)
-    return evaluate.segmentation_classes(train, data.mask_classes(folder.val.masks) if folder.val else train)
+    train, *val = [data.mask_classes(split.images, split.masks) for split in splits]
+    return evaluate.segmentation_classes(train, val[0] if val else train)
 
 
 def _check_train_size(folder: ImageFolder, request: ProbeRequest) -> None:
