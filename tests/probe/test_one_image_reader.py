@@ -56,7 +56,7 @@ def test_a_huge_header_is_refused_before_decoding_in_the_callers_words(tmp_path)
 
 def test_a_mask_of_colours_is_refused_naming_its_mode(tmp_path):
     Image.new("RGB", (4, 4)).save(tmp_path / "m.png")
-    with pytest.raises(ValueError, match=r"is a RGB image; a mask is a one-channel PNG of class indices"):
+    with pytest.raises(ValueError, match=r"^mask .*m\.png is a RGB image; a mask is a one-channel PNG of class"):
         data.read_mask(tmp_path / "m.png")
     Image.new("P", (4, 3)).save(tmp_path / "p.png")
     assert data.read_mask(tmp_path / "p.png").shape == (3, 4)

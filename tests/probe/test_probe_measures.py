@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from support import move_off_init_
 from test_probe_cli import OURS, TINY, draw_classes, probe
 
+from timm_layerscale.probe.evaluate import spread
 from timm_layerscale.probe.results import ALIKE, flat_features_warnings
 from timm_ls.main import main
 
@@ -50,6 +51,7 @@ def test_a_random_init_models_alike_cls_tokens_are_one_warning_naming_them(data,
     assert "pass --tokens avgpool or a trained checkpoint" in line
     (row,) = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     assert row["tokens"] == {"knn": "cls", "logreg": "cls"}
+    assert row["seeds"] == {"val_split": 0, "logreg_holdout": 0, "head": None}
     assert row["spread"]["knn"] < ALIKE and row["spread"]["knn"] == row["spread"]["logreg"]
     header = out.splitlines()[1].split()
     assert header[:4] == ["model", "layer", "kNN", "tokens"] and "logreg" in header
@@ -92,3 +94,11 @@ def test_the_warning_names_only_the_alike_tokens_and_their_readers(spread, token
 def test_at_the_bound_and_for_segmentation_rows_nothing_is_said():
     assert flat_features_warnings({"spread": {"knn": ALIKE, "logreg": 1.0}, "tokens": {}}) == []
     assert flat_features_warnings({"miou": 40.0}) == []
+
+
+def test_spread_is_the_spread_across_images_relative_to_the_magnitude():
+    same = torch.tensor([[3.0, -1.0], [3.0, -1.0], [3.0, -1.0]])
+    assert spread(same) == 0.0 and spread(torch.zeros(4, 3)) == 0.0
+    varied = torch.tensor([[1.0, 10.0], [3.0, 10.0]])  # stds 1.41 and 0 over the rows, mean magnitude 6
+    assert spread(varied) == pytest.approx(2**0.5 / 2 / 6)
+    assert spread(varied * 1000) == pytest.approx(spread(varied))
