@@ -29,6 +29,7 @@ from PIL import Image
 from timm_layerscale.cli import features
 from timm_layerscale.tools import feature_pictures, feature_run
 from timm_ls.main import parse
+from timm_ls.model_source import ModelSource
 
 from .common import header, markdown, peak_memory_mib
 
@@ -62,7 +63,7 @@ def child(case: str) -> dict[str, float]:
         Image.fromarray(pixels).save(root / f"im{i:03d}.png")
     args = parse(["features", str(root), "--out", str(root / "out"), *extra])
     torch.manual_seed(0)
-    loaded = features.load_model(args)
+    loaded = features.load_model(args.model, ModelSource.of(args))
     size = None if args.size == "native" else int(args.size)
     jobs = feature_pictures.measure_images(sorted(root.glob("*.png")), size, loaded.patch)
     device = torch.device("cpu")

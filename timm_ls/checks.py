@@ -8,6 +8,7 @@ follow the one rule of `destinations`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,6 @@ from pathlib import Path
 from .destinations import destination_problem, format_destination_problem
 from .errors import CliError
 from .image_folder import TASKS, read_image_folder
-from .layer_sets import LAYER_SETS
 from .names import (
     CAST_DTYPES,
     EXPORT_DTYPES,
@@ -30,6 +30,7 @@ from .names import (
     suffix_of,
 )
 from .paths import IMAGE_SUFFIXES, demo_out, image_files
+from .probe_request import ProbeRequest, probe_request
 
 CHECKPOINT = "checkpoint"
 VARIANT_FILE = "variant file"
@@ -194,36 +195,11 @@ def check_features(args: argparse.Namespace) -> None:
     _destination(args.out, folder=True, what="features --out", overwrite=args.overwrite, into=args.overwrite)
 
 
-PROBE_TOKENS = ("cls", "avgpool", "cls+avgpool")
-
-
-def parse_probe_layer(text: str) -> int | str:
-    """One `probe --layer` value: a block index (negative counts from the end) or a layer-set name."""
-    if text in LAYER_SETS:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise CliError(
-            f"--layer: got {text!r}; pass a block index (0 is the first, -1 the last), last, last_four or four_even"
-        ) from None
-
-
-def check_probe(args: argparse.Namespace) -> None:
+def check_probe(args: argparse.Namespace) -> ProbeRequest:
+    """Every flag and path of `timm-ls probe`; the request the command runs."""
     _choice(args.task, "--task", TASKS, "task")
-    _choice(args.tokens, "--tokens", PROBE_TOKENS, "token choice")
     _choice(args.dtype, "--dtype", CAST_DTYPES, "dtype")
-    for text in args.layer or ["last"]:
-        parse_probe_layer(text)
-    for flag, value in (("--batch", args.batch), ("--steps", args.steps), ("--max-iter", args.max_iter)):
-        if value < 1:
-            raise CliError(f"{flag}: got {value}; pass 1 or more")
-    if args.threads is not None and args.threads < 1:
-        raise CliError(f"--threads: got {args.threads}; pass 1 or more")
-    if args.pictures < 0:
-        raise CliError(f"--pictures: got {args.pictures}; pass 0 or more")
-    if not 0 < args.val_split < 1:
-        raise CliError(f"--val-split: got {args.val_split}; pass the held-out part of train, between 0 and 1")
+    request = probe_request(args)
     if not args.model and not args.checkpoint:
         raise CliError("probe needs a model: pass --model NAME (or a --checkpoint that records its model)")
     for model in args.model or []:
@@ -231,20 +207,22 @@ def check_probe(args: argparse.Namespace) -> None:
     _require(CHECKPOINT, args.checkpoint)
     if not Path(args.data).exists():
         raise CliError(f"DATA {args.data} does not exist; pass a folder of images laid out as DATA/train/<class>/*")
-    read_image_folder(args.data, args.task)
+    folder = read_image_folder(args.data, args.task)
     if Path(args.out).resolve().is_relative_to(Path(args.data).resolve()):
         raise CliError(
             f"--out {args.out} is inside DATA {args.data}, where it would read as data; choose a folder outside"
         )
     # DIR keeps the feature cache across runs: its files are replaced, anything else in it left alone.
     _destination(args.out, folder=True, what="probe --out", overwrite=True, into=True, sources=[args.data])
+    return dataclasses.replace(request, folder=folder)
 
 
 def check_run(args: argparse.Namespace) -> None:
     _require("script", args.script)
 
 
-CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
+# Each command's checks; a command with a request of its own gets it back, to run it as parsed here.
+CHECKS: dict[str, Callable[[argparse.Namespace], object]] = {
     "convert": check_convert,
     "export": check_export,
     "inspect": check_inspect,

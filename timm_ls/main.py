@@ -65,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
         with interruptible() if args.command != "run" else nullcontext():  # a script run keeps its own signals
-            CHECKS[args.command](args)
-            return command_module(args.command).execute(args)
+            request = CHECKS[args.command](args)  # a command's request, where it has one: parsed once, here
+            return command_module(args.command).execute(args if request is None else request)
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the writers' clean-up has run on the way here
         if args.debug:
             raise

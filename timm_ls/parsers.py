@@ -11,6 +11,7 @@ import argparse
 from .image_folder import CLASSIFICATION, TASKS
 from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS, FormatSpec
 from .paths import experiments_dir, install_hint
+from .probe_request import TOKENS
 
 DESCRIPTION = "DINOv3-style ViTs with LayerScale for timm, and LayerScale made visible"
 DEFAULT_COMMAND = "demo"
@@ -40,7 +41,6 @@ PROBE_EXAMPLES = """examples:
       --out probe-flowers
   timm-ls probe flowers/ --model vit_ls_base_patch16_dinov3 --checkpoint model/ --layer last last_four 6 --out p
   timm-ls probe scenes/ --task segmentation --model vit_ls_small_patch16_dinov3.lvd1689m --pretrained --out seg"""
-TOKENS = ("cls", "avgpool", "cls+avgpool")
 
 
 def _choices(names: tuple[str, ...]) -> str:

@@ -84,7 +84,7 @@ def test_each_history_row_averages_the_steps_since_the_last():
 
 
 def test_runs_of_a_seed_start_from_the_same_weights_but_their_gammas():
-    from timm_layerscale.cli.ablate import build_model
+    from timm_layerscale.tools.ablation import build_model
 
     experiment = load_experiment(REPO / "configs" / "experiments" / "ablate.yaml")
     experiment = experiment.replace(model={**experiment.model, "depth": 2})
@@ -275,7 +275,7 @@ def fake_results(final_acc: dict[str, list[float]], diverged: tuple[str, int] | 
     ],
 )
 def test_summary_says_what_happened(final_acc, verdict):
-    from timm_layerscale.cli.ablate import summarise
+    from timm_layerscale.tools.ablation import summarise
 
     experiment = load_experiment(REPO / "configs" / "experiments" / "ablate.yaml")
     experiment = experiment.replace(seeds=tuple(range(len(next(iter(final_acc.values()))))))
@@ -286,7 +286,7 @@ def test_summary_says_what_happened(final_acc, verdict):
 
 
 def test_summary_counts_diverged_runs_and_ranks_them_last():
-    from timm_layerscale.cli.ablate import summarise
+    from timm_layerscale.tools.ablation import summarise
 
     experiment = load_experiment(REPO / "configs" / "experiments" / "ablate.yaml")
     experiment = experiment.replace(seeds=(0, 1))
@@ -319,9 +319,9 @@ def test_the_curves_show_accuracy_in_percent_as_the_text_does_with_the_legend_of
 
 
 def test_one_seed_reads_as_one_seed_and_a_run_inside_its_warmup_says_so(monkeypatch, tmp_path, capsys):
-    import timm_layerscale.cli.ablate as ablate
+    import timm_layerscale.tools.ablation as ablation
 
-    monkeypatch.setattr(ablate, "_run_all", lambda experiment, jobs: fake_results({"off": [0.5], "0.1": [0.55]}))
+    monkeypatch.setattr(ablation, "run_all", lambda experiment, jobs: fake_results({"off": [0.5], "0.1": [0.55]}))
     args = ["ablate", "--seeds", "0", "--init-values", "off", "0.1", "--depth", "2", "--width", "32"]
     assert main([*args, "--out", str(tmp_path / "a"), "--steps", "30"]) == 0
     out, err = capsys.readouterr()

@@ -20,6 +20,7 @@ from support import move_off_init_
 from timm_layerscale.cli import features as command
 from timm_layerscale.tools import feature_memory, feature_pictures, feature_run
 from timm_ls.main import main, parse
+from timm_ls.model_source import ModelSource
 
 OURS = "vit_ls_small_patch16_dinov3"
 SMALL = ["--model-kwargs", "depth=2", "embed_dim=64", "num_heads=4"]
@@ -164,7 +165,7 @@ def test_on_a_gpu_the_count_adds_the_models_weights_at_the_run_dtype(dtype, chec
     """On the CPU the loaded weights are in memory already; on a GPU they are moved there, so they count."""
     image = noise(tmp_path / "a.png", (64, 48))
     args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--dtype", dtype])
-    loaded = command.load_model(args)
+    loaded = command.load_model(args.model, ModelSource.of(args))
     jobs = feature_pictures.measure_images([image], 768, 16)
     on_cpu = feature_run.need(loaded, jobs, command.settings(args), torch.device("cpu")).total
     on_gpu = feature_run.need(loaded, jobs, command.settings(args), torch.device("cuda")).total
@@ -178,7 +179,7 @@ def test_a_large_file_at_a_small_size_peaks_while_it_is_read(checkpoint, tmp_pat
     a 4000x3000 file read for a 64 px run peaks there, at no less than those two."""
     image = noise(tmp_path / "big.png", (4000, 3000))
     args = parse(["features", str(image), "--checkpoint", str(checkpoint), *SMALL, "--out", "x", "--size", "64"])
-    loaded = command.load_model(args)
+    loaded = command.load_model(args.model, ModelSource.of(args))
     (job,) = feature_pictures.measure_images([image], 64, 16)
     counted = feature_run.need(loaded, [job], command.settings(args), torch.device("cpu"))
     assert counted.peak.phase == "reading" and counted.total >= 2 * 4 * 4000 * 3000

@@ -26,6 +26,8 @@ LAYERS = (
     ("timm_ls.image_folder", -1),
     ("timm_ls.layer_sets", -1),
     ("timm_ls.cpu", -1),
+    ("timm_ls.model_source", -1),
+    ("timm_ls.probe_request", -1),
     ("layer_options", 0),  # the layer options' declarations: the family records and config ask them, layers fill them
     ("families", 0),  # the family records: below config, which records a family and is checked by its record
     ("config", 0),

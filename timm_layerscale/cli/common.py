@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ast
 import logging
 import sys
@@ -16,6 +15,7 @@ import timm
 from torch import nn
 
 from timm_ls.errors import CliError
+from timm_ls.model_source import ModelSource
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError, open_checkpoint
@@ -132,17 +132,17 @@ def warn_and_keep_the_rest(report: Sequence[str]) -> list[str]:
 
 
 def build(
-    args: argparse.Namespace, variant: Variant, tag: str | None, offline_random: bool = False
+    source: ModelSource, variant: Variant, tag: str | None, offline_random: bool = False
 ) -> tuple[nn.Module, str]:
     """The model a command asked for; `offline_random` (the demo only) builds random weights, with a warning,
     where `--pretrained` finds neither the Hub nor a cached copy, where every other command stops."""
     name = f"{variant.name}.{tag}" if tag else variant.name
-    kwargs = parse_model_kwargs(args.model_kwargs)
-    if args.checkpoint:
+    kwargs = parse_model_kwargs(source.model_kwargs)
+    if source.checkpoint:
         # The file is checked (what it is, whether it is whole) before timm reads it: errors are one line.
-        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=args.checkpoint), **kwargs)
-        return model, f"checkpoint {args.checkpoint}"
-    if not args.pretrained:
+        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=source.checkpoint), **kwargs)
+        return model, f"checkpoint {source.checkpoint}"
+    if not source.pretrained:
         return timm.create_model(name, **kwargs), "random init (no --checkpoint or --pretrained given)"
     tag = tag or next(iter(variant.tags), None)
     cfg = timm.models.get_pretrained_cfg(f"{variant.name}.{tag}") if tag else None
@@ -167,24 +167,24 @@ def build(
     return model, weights.origin
 
 
-def build_from_checkpoint(args: argparse.Namespace, name: str | None) -> tuple[nn.Module, str, str]:
+def build_from_checkpoint(source: ModelSource, name: str | None) -> tuple[nn.Module, str, str]:
     """The model a checkpoint holds, by the one identity rule of convert, export and inspect (`--model` >
     what it records > its family > its shapes, then `--model-kwargs`), with its weights: the model, where its
     weights come from (and why that variant), and its name."""
     if name is not None:
         variant, tag = resolve_variant(name)  # a YAML file is registered first
         name = f"{variant.name}.{tag}" if tag else variant.name
-    kwargs = parse_model_kwargs(args.model_kwargs)
+    kwargs = parse_model_kwargs(source.model_kwargs)
     try:
-        with open_checkpoint(args.checkpoint) as ckpt:
+        with open_checkpoint(source.checkpoint) as ckpt:
             found = identify_checkpoint(ckpt, name, kwargs).model
     except CheckpointError as exc:
         raise CliError(str(exc)) from None
-    overlay = {**found.pretrained_cfg, "file": str(args.checkpoint)}
+    overlay = {**found.pretrained_cfg, "file": str(source.checkpoint)}
     model = timm.create_model(
         found.full_name, pretrained=True, pretrained_cfg_overlay=overlay, **found.config.rebuild_args()
     )
-    return model, f"checkpoint {args.checkpoint} ({found.reason})", found.full_name
+    return model, f"checkpoint {source.checkpoint} ({found.reason})", found.full_name
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -18,15 +18,17 @@ from pathlib import Path
 
 import timm
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from timm.data import resolve_data_config
 from torch import nn
 from torchvision.transforms.functional import normalize, to_tensor
 from tqdm import tqdm
 
 from timm_ls import paths
+from timm_ls.model_source import ModelSource
 
 from ..publish import save_native
+from ..tools.dense import read_image
 from ..tools.experiment import Experiment, check, load_experiment
 from ..tools.gammas import BRANCHES, BranchStats, block_name, find_gamma_keys, gamma_stats, short_number
 from ..tools.shapes import Shapes, make_shapes
@@ -262,16 +264,6 @@ def _text_report(run: _Run, changes: list, plot_line: str) -> str:
 # ------------------------------------------------------------------------------------------------ weights
 
 
-def load_image(path: Path) -> Image.Image:
-    if not path.is_file():
-        raise CliError(f"image {path} does not exist; pass the path of an image file with --image")
-    try:
-        with Image.open(path) as img:
-            return img.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
-        raise CliError(f"cannot read image {path} ({exc}); pass a PNG or JPEG file") from exc
-
-
 def fit_image(picture: Image.Image, model: nn.Module) -> tuple[Image.Image, str]:
     """The model's input size for this picture, and how it got there, in words: never a silent crop."""
     width, height = picture.size
@@ -292,15 +284,15 @@ def _model_with_weights(args: argparse.Namespace) -> tuple[nn.Module, str, str]:
     """The model and where its weights come from: a checkpoint by the one identity rule (--variant then only
     names it), else the variant's pretrained weights."""
     if args.checkpoint:
-        return build_from_checkpoint(args, args.variant)
+        return build_from_checkpoint(ModelSource.of(args), args.variant)
     variant, tag = resolve_variant(args.variant or load_experiment(args.config).variant)
-    model, source = build(args, variant, tag, offline_random=True)
+    model, source = build(ModelSource.of(args), variant, tag, offline_random=True)
     return model, source, f"{variant.name}{f'.{tag}' if tag else ''}"
 
 
 def show_model(args: argparse.Namespace) -> int:
     images = [Path(p) for p in args.image] if args.image else sorted(ASSETS.glob("*.png"))
-    pictures = [load_image(p) for p in images]
+    pictures = [read_image(p) for p in images]
     plot = plot_target(args)
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)  # the job's own folder, for the default picture

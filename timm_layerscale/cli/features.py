@@ -16,6 +16,7 @@ import timm
 import torch
 from torch import nn
 
+from timm_ls.model_source import ModelSource
 from timm_ls.names import is_variant_file
 from timm_ls.paths import image_files
 
@@ -33,12 +34,12 @@ from .common import (
 )
 
 
-def _timm_model(args: argparse.Namespace, name: str, kwargs: dict) -> tuple[nn.Module, str]:
+def _timm_model(source: ModelSource, name: str, kwargs: dict) -> tuple[nn.Module, str]:
     kwargs = {"dynamic_img_size": True, **kwargs}
-    if args.checkpoint:
-        overlay = dict(file=args.checkpoint)
-        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs), args.checkpoint
-    if args.pretrained:
+    if source.checkpoint:
+        overlay = dict(file=source.checkpoint)
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs), source.checkpoint
+    if source.pretrained:
         return timm.create_model(name, pretrained=True, **kwargs), "timm's pretrained weights (the Hub)"
     return timm.create_model(name, **kwargs), "random init (no --checkpoint or --pretrained given)"
 
@@ -48,30 +49,29 @@ def _check_vit(name: str, model: nn.Module) -> None:
         raise CliError(f"{name} has no forward_intermediates and blocks; pass a ViT (vit_ls_*, vit_*, deit3_*, eva)")
 
 
-def load_model(args: argparse.Namespace) -> Loaded:
-    """Ours through the commands' one `build` (a checkpoint through the identity rule, `--model` optional);
-    timm's own ViTs through `timm.create_model`."""
-    name = args.model
+def load_model(name: str | None, source: ModelSource) -> Loaded:
+    """The model `name` (None: the one `source`'s checkpoint records): ours through the commands' one `build`
+    (a checkpoint through the identity rule), timm's own ViTs through `timm.create_model`."""
     if name is None or is_variant_file(name) or name.partition(".")[0] in VARIANTS:
         with load_report() as report:
-            if args.checkpoint:
-                model, source, name = build_from_checkpoint(args, name)
+            if source.checkpoint:
+                model, origin, name = build_from_checkpoint(source, name)
             else:
                 variant, tag = resolve_variant(name)
-                model, source = build(args, variant, tag)
+                model, origin = build(source, variant, tag)
                 name = f"{variant.name}.{tag}" if tag else variant.name
         warn_and_keep_the_rest(report)
     elif timm.is_model(name.partition(".")[0]):
         with torch.device("meta"):  # the architecture alone, checked before any weights are built or fetched
             _check_vit(name, timm.create_model(name))
-        model, source = _timm_model(args, name, parse_model_kwargs(args.model_kwargs))
+        model, origin = _timm_model(source, name, parse_model_kwargs(source.model_kwargs))
     else:
         close = difflib.get_close_matches(name.partition(".")[0], [*VARIANTS, *timm.list_models()], n=3, cutoff=0.6)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise CliError(f"unknown model {name!r}; {hint}pass a vit_ls name (`timm-ls list`) or a timm ViT")
     patch = model.patch_embed.patch_size
     patch = patch if isinstance(patch, int) else patch[0]
-    return Loaded(model.eval(), name, source, patch, getattr(model, "num_prefix_tokens", 1))
+    return Loaded(model.eval(), name, origin, patch, getattr(model, "num_prefix_tokens", 1))
 
 
 def find_device(name: str) -> torch.device:
@@ -104,7 +104,7 @@ def execute(args: argparse.Namespace) -> int:
     size = None if args.size == "native" else int(args.size)
     paths = image_files(args.images)
     torch.manual_seed(0)  # a random-init model gives the same picture on every run
-    loaded = load_model(args)
+    loaded = load_model(args.model, ModelSource.of(args))
     jobs = measure_images(paths, size, loaded.patch)
     print("\n".join(write_feature_pictures(loaded, jobs, Path(args.out), settings(args), device)))
     return 0

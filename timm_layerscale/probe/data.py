@@ -20,7 +20,7 @@ from torch import nn
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as tvf
 
-from ..tools.dense import read_image
+from ..tools.dense import open_image, read_image
 
 IGNORE = 255  # ADE20K's "no class" in a mask: neither trained on nor scored
 
@@ -74,57 +74,48 @@ def describe(transform: object) -> str:
     return " ".join(repr(transform).split())
 
 
-def header_size(path: Path) -> tuple[int, int]:
-    """(width, height) from the file's header, nothing decoded; a file PIL cannot open is a one-line error."""
-    try:
-        with Image.open(path) as image:
-            return image.size
-    except OSError as exc:
-        raise ValueError(f"cannot read image {path} ({' '.join(str(exc).split())}); pass a PNG or JPEG file") from None
+MASK_FIX = "pass a PNG of class indices"
+
+
+def header_size(path: Path, kind: str = "image", fix: str = "pass a PNG or JPEG file") -> tuple[int, int]:
+    """(width, height) from the file's header, nothing decoded; a file that cannot be opened is one line."""
+    with open_image(path, kind, fix) as image:
+        return image.size
 
 
 def read_mask(path: Path) -> np.ndarray:
     """A mask of class indices, `[H, W]` uint8: a one-channel PNG (mode L or P, indices as stored)."""
-    try:
-        with Image.open(path) as mask:
-            if mask.mode not in ("L", "P"):
-                raise ValueError(
-                    f"mask {path} is a {mask.mode} image; a mask is a one-channel PNG of class indices (mode L or P)"
-                )
-            return np.asarray(mask, dtype=np.uint8).copy()
-    except OSError as exc:
-        raise ValueError(
-            f"cannot read mask {path} ({' '.join(str(exc).split())}); pass a PNG of class indices"
-        ) from None
+    with open_image(path, "mask", MASK_FIX) as mask:
+        if mask.mode not in ("L", "P"):
+            raise ValueError(
+                f"mask {path} is a {mask.mode} image; a mask is a one-channel PNG of class indices (mode L or P)"
+            )
+        return np.asarray(mask, dtype=np.uint8).copy()
 
 
-def check_mask_sizes(images: list[Path], masks: list[Path]) -> None:
-    """Every mask has its image's size (headers only): refused in one line before any forward. An image that
+def mask_classes(images: list[Path], masks: list[Path]) -> set[int]:
+    """The class indices a split's masks hold (255 included where present), each mask read once and refused in
+    one line where its size is not its image's (from the image's header) before any forward. An image that
     cannot be read is left to the reading, which skips or refuses it."""
-    for image, mask in zip(images, masks):
+    found: set[int] = set()
+    for image, path in zip(images, masks):
+        mask = read_mask(path)
         try:
             want = header_size(image)
         except ValueError:
-            continue
-        got = header_size(mask)
-        if got != want:
+            want = mask.shape[::-1]
+        if mask.shape[::-1] != want:
             raise ValueError(
-                f"mask {mask} is {got[0]}x{got[1]} px and its image {image} is {want[0]}x{want[1]} px; a mask "
-                f"needs its image's size"
+                f"mask {path} is {mask.shape[1]}x{mask.shape[0]} px and its image {image} is {want[0]}x{want[1]} "
+                f"px; a mask needs its image's size"
             )
+        found.update(np.unique(mask).tolist())
+    return found
 
 
 def load_image(path: Path) -> Image.Image:
     """The image as RGB, or a `ValueError` naming it (`tools.dense.read_image`)."""
     return read_image(path)
-
-
-def mask_classes(masks: list[Path]) -> set[int]:
-    """The class indices the masks hold (255 included where present)."""
-    found: set[int] = set()
-    for mask in masks:
-        found.update(np.unique(read_mask(mask)).tolist())
-    return found
 
 
 def refuse_unreadable(images: list[Path]) -> None:

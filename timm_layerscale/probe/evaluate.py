@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from timm_ls.layer_sets import LAYER_SETS, feature_layers
+from timm_ls.probe_request import KNN_TOKENS, TOKENS
 
 from .data import IGNORE
 from .extract import SplitFeatures
@@ -15,17 +15,6 @@ from .knn import knn
 from .logreg import logistic_regression
 from .segment import concatenated, linear_segmentation
 from .split import stratified_split
-
-
-def layer_blocks(text: str, depth: int) -> list[int]:
-    """`--layer`: a block index (negative from the end) or a layer-set name, as block indices in order."""
-    if text in LAYER_SETS:
-        return list(feature_layers(text, depth))
-    index = int(text)
-    index = index + depth if index < 0 else index
-    if not 0 <= index < depth:
-        raise ValueError(f"--layer {text}: the model has {depth} blocks; pass 0 to {depth - 1}, -1 or a layer set")
-    return [index]
 
 
 @dataclass
@@ -59,7 +48,10 @@ def make_sets(train: SplitFeatures, val: SplitFeatures | None, labels, val_label
 
 def tokens_of(split: SplitFeatures, rows: torch.Tensor, blocks: list[int], tokens: str) -> torch.Tensor:
     """The classifier's input: `cls` (each block's CLS, concatenated), `avgpool` (each block's mean patch token)
-    or `cls+avgpool` (Meta's linear input: the CLS tokens, then the last block's mean patch token)."""
+    or `cls+avgpool` (Meta's linear input: the CLS tokens, then the last block's mean patch token); any other
+    value is a `ValueError`."""
+    if tokens not in TOKENS:
+        raise ValueError(f"unknown token choice {tokens!r}; pass --tokens one of {', '.join(TOKENS)}")
     cls = [split.blocks[b]["cls"][rows] for b in blocks]
     if tokens == "cls":
         return torch.cat(cls, dim=1)
@@ -68,14 +60,24 @@ def tokens_of(split: SplitFeatures, rows: torch.Tensor, blocks: list[int], token
     return torch.cat([*cls, split.blocks[blocks[-1]]["avgpool"][rows]], dim=1)
 
 
+def spread(features: torch.Tensor) -> float:
+    """How much features differ across images: each dimension's standard deviation over the rows, averaged,
+    relative to the features' mean magnitude (0 for features that are all zero)."""
+    x = features.double()
+    scale = x.abs().mean()
+    return float(x.std(dim=0).mean() / scale) if scale > 0 else 0.0
+
+
 def _timed(fn, *args, **kwargs):
     start = time.perf_counter()
     return fn(*args, **kwargs), round(time.perf_counter() - start, 3)
 
 
 def classification_row(sets: Sets, blocks: list[int], tokens: str, num_classes: int, seed: int, max_iter: int) -> dict:
-    """kNN on the CLS tokens and logistic regression on `tokens`; every number results.json records."""
-    cls = [tokens_of(s, r, blocks, "cls") for s, r in ((sets.train, sets.train_rows), (sets.val, sets.val_rows))]
+    """kNN on the CLS tokens (`KNN_TOKENS`) and logistic regression on `tokens`; every number results.json
+    records, with the tokens each protocol read and how much they differ across images (`spread`)."""
+    both = ((sets.train, sets.train_rows), (sets.val, sets.val_rows))
+    cls = [tokens_of(s, r, blocks, KNN_TOKENS) for s, r in both]
     found, knn_s = _timed(knn, cls[0], sets.train_labels, cls[1], sets.val_labels, num_classes=num_classes)
     x_train = tokens_of(sets.train, sets.train_rows, blocks, tokens)
     x_val = tokens_of(sets.val, sets.val_rows, blocks, tokens)
@@ -84,7 +86,8 @@ def classification_row(sets: Sets, blocks: list[int], tokens: str, num_classes: 
     )
     return {
         "blocks": blocks,
-        "tokens": tokens,
+        "tokens": {"knn": KNN_TOKENS, "logreg": tokens},
+        "spread": {"knn": spread(torch.cat(cls)), "logreg": spread(torch.cat([x_train, x_val]))},
         "train_images": len(sets.train_rows),
         "val_images": len(sets.val_rows),
         "feature_dim": {"knn": cls[0].shape[1], "logreg": x_train.shape[1]},

@@ -25,7 +25,7 @@ def _percent(value: float | None) -> str:
 
 def classification_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     ks = sorted({int(k) for row in rows for k in row["knn"]["top1"]})
-    header = ["model", "layer", "tokens", *(f"kNN k={k}" for k in ks), "logreg", "C"]
+    header = ["model", "layer", "kNN tokens", *(f"kNN k={k}" for k in ks), "logreg tokens", "logreg", "C"]
     body = []
     for row in rows:
         top1 = row["knn"]["top1"]
@@ -34,13 +34,19 @@ def classification_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             [
                 row["model"],
                 row["layer"],
-                row["tokens"],
+                row["tokens"]["knn"],
                 *(_percent(top1.get(str(k))) for k in ks),
+                row["tokens"]["logreg"],
                 _percent(logreg["top1"]),
                 f"{logreg['best_c']:.3g}",
             ]
         )
     return header, body
+
+
+def table_of(task: str, rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The printed table's header and rows for `task`'s rows."""
+    return (segmentation_table if task == "segmentation" else classification_table)(rows)
 
 
 def segmentation_table(rows: list[dict]) -> tuple[list[str], list[list[str]]]:

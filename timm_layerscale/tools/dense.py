@@ -211,7 +211,7 @@ def target_size(width: int, height: int, size: int | None, patch: int) -> tuple[
 def image_size(path: Path) -> tuple[int, int]:
     """The `(width, height)` an image file's header states, its data checked whole (PIL's `verify`, which
     decodes nothing), before any pixel is held; any problem is a `ValueError` naming the file and the fix."""
-    with _opened(path) as img:
+    with open_image(path) as img:
         size = img.size
         img.verify()
     return size
@@ -221,14 +221,14 @@ def read_image(path: Path):
     """The image at `path` as RGB (PIL), its size checked from the header before it is decoded; 16-bit, 32-bit
     integer and float images scaled to 8 bits by their own range, as image viewers show them. Anything else is
     a `ValueError` naming the file and the fix."""
-    with _opened(path) as img:
+    with open_image(path) as img:
         return _by_range(img, _pil()) if img.mode in WIDE_MODES else img.convert("RGB")
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator:
-    """The image file open (its header read, nothing decoded), within the pixel limit; PIL's errors and its
-    size warning become one `ValueError` naming the file."""
+def open_image(path: Path, kind: str = "image", fix: str = "pass a PNG or JPEG file") -> Iterator:
+    """The one way the package opens an image file: open (its header read, nothing decoded), within the pixel
+    limit; PIL's errors and its size warning become one `ValueError` naming the file (as a `kind`) and `fix`."""
     image_cls = _pil()
     try:
         with warnings.catch_warnings():  # the size is ours to judge, in one line (PIL's warning, then its error)
@@ -239,13 +239,13 @@ def _opened(path: Path) -> Iterator:
                 yield img
     except image_cls.DecompressionBombError as exc:
         raise ValueError(
-            f"image {path} is too large ({_bomb_size(str(exc))}); at most {MAX_IMAGE_PIXELS:,} pixels "
+            f"{kind} {path} is too large ({_bomb_size(str(exc))}); at most {MAX_IMAGE_PIXELS:,} pixels "
             f"are read: downscale it first"
         ) from None
     except (OSError, SyntaxError, ValueError) as exc:  # UnidentifiedImageError is an OSError; verify's SyntaxError
-        if str(exc).startswith(f"image {path} "):
+        if str(exc).startswith(f"{kind} {path} "):
             raise
-        raise ValueError(f"cannot read image {path} ({' '.join(str(exc).split())}); pass a PNG or JPEG file") from None
+        raise ValueError(f"cannot read {kind} {path} ({' '.join(str(exc).split())}); {fix}") from None
 
 
 def _bomb_size(words: str) -> str:
