@@ -1,7 +1,8 @@
 """Self-supervised pretraining pieces, as Meta's DINOv3 trainer has them: the losses (`losses`), the
-projection head (`heads.DINOHead`), iBOT's block masks (`masking`), the schedules (`schedules`) and the EMA
-teacher (`ema.EmaTeacher`)."""
+projection head (`heads.DINOHead`), iBOT's block masks (`masking`), the schedules (`schedules`), the EMA
+teacher (`ema.EmaTeacher`) and the multi-crop views (`augment.MultiCrop`)."""
 
+from .augment import CropConfig, Crops, MultiCrop
 from .ema import EmaTeacher
 from .heads import DINOHead
 from .losses import DINOLoss, GramLoss, KoLeoLoss, KoLeoLossDistributed, iBOTPatchLoss, sinkhorn_knopp
@@ -10,6 +11,8 @@ from .schedules import CosineScheduler, ScheduleConfig, Schedules, build_schedul
 
 __all__ = [
     "CosineScheduler",
+    "CropConfig",
+    "Crops",
     "DINOHead",
     "DINOLoss",
     "EmaTeacher",
@@ -17,6 +20,7 @@ __all__ = [
     "KoLeoLoss",
     "KoLeoLossDistributed",
     "MaskingGenerator",
+    "MultiCrop",
     "ScheduleConfig",
     "Schedules",
     "build_schedules",
