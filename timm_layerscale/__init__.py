@@ -15,6 +15,7 @@ from .checkpoints import (
 )
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .convert import convert_checkpoint
+from .deploy import quantize
 from .export import export_onnx
 from .families import FAMILIES, FamilyRecord, Holding, register_family
 from .fold import fold_layer_scale
@@ -50,6 +51,7 @@ __all__ = [
     "hub_weights",
     "open_checkpoint",
     "push_to_hub",
+    "quantize",
     "register_family",
     "register_format",
     "register_variant",
