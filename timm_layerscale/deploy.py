@@ -45,6 +45,7 @@ def quantize(model: nn.Module, mode: str = "dynamic", images: torch.Tensor | Non
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}: choose one of {', '.join(MODES)}")
     reference = _fp32_reference(model)
-    quantized = quantize_dynamic(copy.deepcopy(reference), {nn.Linear}, dtype=torch.qint8).eval()
+    # quantize_dynamic quantizes a copy (inplace=False): `reference` may be the caller's model itself.
+    quantized = quantize_dynamic(reference, {nn.Linear}, dtype=torch.qint8, inplace=False).eval()
     images = _default_images(reference) if images is None else images.float().cpu()
     return quantized, compare(model_outputs(reference, images), model_outputs(quantized, images))

@@ -125,6 +125,24 @@ def test_quantize_quantizes_a_copy_and_measures_it():
     assert result.below(0.99) is None
 
 
+def test_an_eval_fp32_model_is_left_as_it_was():
+    model = tiny(num_classes=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    quantize(model, images=IMAGES)
+    assert not model.training and all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@torch.no_grad()
+def test_a_training_model_is_measured_in_eval():
+    """Drop path draws anew in training: the fp32 outputs measured against are the eval model's."""
+    model = tiny(num_classes=3, drop_path_rate=0.9).train()
+    quantized, result = quantize(model, images=IMAGES)
+    assert model.training
+    expected = compare(model_outputs(model.eval(), IMAGES), model_outputs(quantized, IMAGES))
+    assert result == expected and result.below(0.99) is None
+
+
 def test_quantize_measures_what_model_outputs_measure():
     model = tiny()
     quantized, result = quantize(model, images=IMAGES)

@@ -20,7 +20,7 @@ from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
 from torch.ao.quantization import quantize_dynamic
 
 from timm_layerscale import FAMILIES, VARIANTS, convert_checkpoint, fold_bias_masks_
-from timm_layerscale.layers import k_bias_mask
+from timm_layerscale.layers import k_bias_mask, k_masked_linear
 
 SMALL = "vit_ls_small_patch16_dinov3"
 IMAGES = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(3))
@@ -155,15 +155,19 @@ def test_fresh_init_resets_the_mask_and_folds_the_bias():
 
 
 def test_a_fresh_qkv_bias_is_folded_before_init_weights():
-    """nn.Linear's own init draws a bias: the factory folds it, so even an un-initialised model masks k."""
-    model = tiny()
+    """nn.Linear's own init draws a bias: the factory folds it, so even an un-initialised qkv masks k."""
     dim = TINY["embed_dim"]
-    qkv = model.blocks[0].attn.qkv
+    qkv = k_masked_linear(dim, 3 * dim)
+    assert type(qkv) is nn.Linear and torch.equal(qkv.bias_mask, k_bias_mask(3 * dim, dim))
+    assert not qkv.bias[dim : 2 * dim].any() and qkv.bias[:dim].all() and qkv.bias[2 * dim :].all()
     with torch.no_grad():
-        qkv.reset_parameters()  # nn.Linear's draw, k rows included
-    assert qkv.bias[dim : 2 * dim].any()
-    fold_bias_masks_(model)
+        qkv.reset_parameters()  # nn.Linear's draw again, k rows included
+    assert qkv.bias[dim : 2 * dim].all()
+    model = nn.Sequential(nn.Linear(dim, dim), qkv)
+    unmasked = model[0].bias.clone()
+    assert fold_bias_masks_(model) is model
     assert not qkv.bias[dim : 2 * dim].any() and qkv.bias[:dim].all()
+    assert torch.equal(model[0].bias, unmasked)  # a linear without a mask is left alone
 
 
 def meta_file_with_a_raw_k_bias(path) -> dict[str, torch.Tensor]:
