@@ -15,11 +15,13 @@ from .checkpoints import (
 )
 from .config import UnknownConfigKeyError, VitLsConfig, cait_init_value, resolve_init_values
 from .convert import convert_checkpoint
+from .deploy import quantize
 from .export import export_onnx
 from .families import FAMILIES, FamilyRecord, Holding, register_family
 from .fold import fold_layer_scale
 from .fsdp import shard_model
 from .hub import HubError, fetch_hub_weights, hub_weights
+from .layers import fold_bias_masks_
 from .model import VisionTransformerLS
 from .publish import push_to_hub, save_for_hub, save_native
 from .variants import VARIANTS, config_dir, register_builtin_variants, register_variant
@@ -44,10 +46,12 @@ __all__ = [
     "convert_state_dict",
     "export_onnx",
     "fetch_hub_weights",
+    "fold_bias_masks_",
     "fold_layer_scale",
     "hub_weights",
     "open_checkpoint",
     "push_to_hub",
+    "quantize",
     "register_family",
     "register_format",
     "register_variant",

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from .checkpoints import CheckpointError, log_report, open_checkpoint, plan_load
 from .checkpoints.mapping.plan import Plan, Step, passthrough
 from .hub import hub_weights
+from .layers import fold_bias_masks_
 from .model import VisionTransformerLS
 
 __all__ = ["load_pretrained", "pretrained_source"]
@@ -140,5 +141,6 @@ def load_pretrained(
                 _assign(model, key, value)
                 progress.update(fitted.plan.info(key).nbytes)
         fitted.plan.release()
+    fold_bias_masks_(model)  # the file's raw qkv biases beside their masks: the forward adds bias * mask
     log_report(fitted.report(f"loaded a checkpoint with {fitted.format_title}"))
     return model

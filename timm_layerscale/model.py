@@ -26,17 +26,18 @@ from .intermediates import IntermediatesMixin
 from .layer_options import layer_option
 from .layers import (
     Block,
-    KMaskedBiasLinear,
     LayerScale,
     RopeEmbedding,
     embed_patches,
     ffn_hidden_features,
+    has_bias_mask,
     make_norm,
     naflex_patch_centres,
     norm_classes,
     padding_key_mask,
     pool_valid_tokens,
     read_naflex_batch,
+    reset_bias_mask,
 )
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -190,8 +191,8 @@ class VisionTransformerLS(IntermediatesMixin, nn.Module):
                 trunc_normal_(module.weight, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-                if isinstance(module, KMaskedBiasLinear):
-                    module.reset_bias_mask()
+                if has_bias_mask(module):
+                    reset_bias_mask(module)
             elif isinstance(module, (*norm_classes(), LayerScale, nn.Conv2d)):
                 module.reset_parameters()
 

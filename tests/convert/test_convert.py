@@ -243,9 +243,11 @@ def test_hf_shards_above_the_limit_with_an_index(tmp_path, images):
 def test_effective_biases_pick_the_eva_architecture(tmp_path, images):
     """Released Meta files carry non-zero-looking biases under an all-zero mask: eva gets no bias at all."""
     model = ours()
-    for block in model.blocks:
-        block.attn.qkv.bias_mask.zero_()
-    save_file(contiguous(model.state_dict()), tmp_path / "released.safetensors")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for i in range(len(model.blocks)):
+        state[f"blocks.{i}.attn.qkv.bias_mask"].zero_()  # the biases stay non-zero in the file
+    save_file(state, tmp_path / "released.safetensors")
+    model.load_state_dict(state)  # folds the masks: no qkv bias is added
     convert(tmp_path / "released.safetensors", tmp_path / "timm", "timm")
     assert json.loads((tmp_path / "timm" / "config.json").read_text())["architecture"] == "vit_small_patch16_dinov3"
     assert_fp32_close(tokens_from("timm", tmp_path / "timm", "mlp")(images), model.forward_features(images))
@@ -257,9 +259,14 @@ def test_effective_biases_pick_the_eva_architecture(tmp_path, images):
 @torch.no_grad()
 def test_non_zero_k_bias_is_kept_by_transformers_and_refused_by_eva(tmp_path, images):
     model = ours()
-    for block in model.blocks:
-        block.attn.qkv.bias_mask.fill_(1.0)  # a model trained without k-masking
-    save_file(contiguous(model.state_dict()), tmp_path / "kbias.safetensors")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(1)
+    for i in range(len(model.blocks)):  # a model trained without k-masking: k biases and a mask of ones
+        state[f"blocks.{i}.attn.qkv.bias_mask"].fill_(1.0)
+        bias = state[f"blocks.{i}.attn.qkv.bias"]
+        bias.copy_(torch.randn(bias.shape, generator=generator) * 0.5)
+    save_file(state, tmp_path / "kbias.safetensors")
+    model.load_state_dict(state)
     convert(tmp_path / "kbias.safetensors", tmp_path / "hf", "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["key_bias"] is True
     assert_fp32_close(tokens_from("hf", tmp_path / "hf", "mlp")(images), model.forward_features(images))

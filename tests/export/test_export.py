@@ -16,6 +16,7 @@ import onnxruntime as ort
 import pytest
 import timm
 import torch
+from safetensors.torch import save_file
 from support import TINY, VARIANT, move_off_init_, transformers_reference
 
 from timm_layerscale import VitLsConfig, export_onnx, save_native
@@ -340,6 +341,26 @@ def test_fp16_from_a_checkpoint_streams_cast_weights(tmp_path):
     dtypes = {t.name: t.data_type for t in onnx.load(str(tmp_path / "h.onnx")).graph.initializer}
     assert dtypes["blocks.0.attn.qkv.weight"] == dtypes["blocks.1.mlp.fc2.weight"] == onnx.TensorProto.FLOAT16
     assert dtypes["blocks.0.norm1.weight"] == dtypes["rope_embed.periods"] == onnx.TensorProto.FLOAT
+
+
+@torch.no_grad()
+def test_a_meta_file_with_a_raw_k_bias_exports_the_masked_bias(tmp_path):
+    """Meta's files may carry k biases under a k-zero mask: the graph adds the qkv bias alone, so the streamed
+    initializer is the masked bias, and ONNX Runtime gives what the loaded model gives."""
+    model = tiny(VARIANT["mlp"], num_classes=0)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    for i in range(len(model.blocks)):
+        bias = state[f"blocks.{i}.attn.qkv.bias"]
+        bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(i)) + 1.0)
+    save_file(state, tmp_path / "meta.safetensors")
+    model.load_state_dict(state)  # folds the masks
+    export_onnx(tmp_path / "meta.safetensors", tmp_path / "m.onnx", model=VARIANT["mlp"], model_kwargs=TINY)
+    initializers = {t.name: t for t in onnx.load(str(tmp_path / "m.onnx")).graph.initializer}
+    written = torch.from_numpy(onnx.numpy_helper.to_array(initializers["blocks.0.attn.qkv.bias"]).copy())
+    assert torch.equal(written, model.blocks[0].attn.qkv.bias) and not written[64:128].any()
+    x = images(2, 32, 48)
+    (got,) = session(tmp_path / "m.onnx").run(None, {"pixel_values": x.numpy()})
+    assert relative(got, model(x)) < 1e-5
 
 
 def test_a_check_beyond_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):

@@ -9,6 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import torch
+
+from ..checkpoints.mapping.plan import Plan
+from ..layers import effective_qkv_bias
 from ..model import VisionTransformerLS
 from .sources import Source
 
@@ -35,7 +39,9 @@ def write_streamed(
     total = sum(targets[k].numel() * targets[k].element_size() for k in names)
     external = total > EXTERNAL_DATA_BYTES if external is None else external
     with src.weights_for(meta_model) as fitted:
-        tensors = ((key, fitted.plan[key].to(dtype=targets[key].dtype).contiguous()) for key in names)
+        tensors = (
+            (key, _as_the_model_holds(fitted.plan, key).to(dtype=targets[key].dtype).contiguous()) for key in names
+        )
         if external:
             with external_data_path(graph_path).open("wb") as data:
                 proto.graph.initializer.extend(_external(tensors, data, external_data_path(graph_path).name))
@@ -45,6 +51,15 @@ def write_streamed(
             proto.graph.initializer.extend(onnx.numpy_helper.from_array(t.numpy(), name=k) for k, t in tensors)
     onnx.save(proto, str(graph_path))
     return external
+
+
+def _as_the_model_holds(plan: Plan, key: str) -> torch.Tensor:
+    """A planned weight as a loaded model holds it: a qkv bias times its mask (the graph adds the bias alone,
+    as the eval forward does), any other as planned."""
+    mask = f"{key}_mask"
+    if key.endswith("attn.qkv.bias") and mask in plan:
+        return effective_qkv_bias(plan[key], plan[mask])
+    return plan[key]
 
 
 def _external(tensors: Any, data: BinaryIO, location: str) -> list[Any]:

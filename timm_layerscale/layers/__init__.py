@@ -1,4 +1,15 @@
-from .attention import Attention, KMaskedBiasLinear, effective_qkv_bias, k_bias_mask, qkv_sizes, split_qkv
+from .attention import (
+    Attention,
+    effective_qkv_bias,
+    fold_bias_mask_,
+    fold_bias_masks_,
+    has_bias_mask,
+    k_bias_mask,
+    k_masked_linear,
+    qkv_sizes,
+    reset_bias_mask,
+    split_qkv,
+)
 from .block import Block
 from .ffn import SwiGLU, ffn_hidden_features, swiglu_hidden_features
 from .layer_scale import LayerScale, add_scaled, fold_gamma, layer_scale_or_identity
@@ -12,7 +23,6 @@ from .rope import RopeEmbedding, apply_rope
 __all__ = [
     "Attention",
     "Block",
-    "KMaskedBiasLinear",
     "LayerScale",
     "NaFlexBatch",
     "RopeEmbedding",
@@ -22,8 +32,12 @@ __all__ = [
     "effective_qkv_bias",
     "embed_patches",
     "ffn_hidden_features",
+    "fold_bias_mask_",
+    "fold_bias_masks_",
     "fold_gamma",
+    "has_bias_mask",
     "k_bias_mask",
+    "k_masked_linear",
     "layer_scale_or_identity",
     "make_norm",
     "naflex_patch_centres",
@@ -32,6 +46,7 @@ __all__ = [
     "pool_valid_tokens",
     "qkv_sizes",
     "read_naflex_batch",
+    "reset_bias_mask",
     "split_qkv",
     "swiglu_hidden_features",
 ]

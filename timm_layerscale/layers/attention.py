@@ -53,28 +53,83 @@ def k_bias_mask(out_features: int, dim: int | None = None) -> torch.Tensor:
     return mask
 
 
+def _mask_like(bias: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mask in the bias's dtype, on its device, and a DTensor like it where the bias is one (FSDP2 shards
+    parameters, not buffers: every rank holds the whole mask)."""
+    mask = mask.to(device=bias.device, dtype=bias.dtype)
+    mesh = getattr(bias, "device_mesh", None)
+    if mesh is None or hasattr(mask, "device_mesh"):
+        return mask
+    # Imported here: only a DTensor reaches this line, and torch builds without distributed have no module.
+    from torch.distributed.tensor import Replicate
+
+    return type(bias).from_local(mask, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 def effective_qkv_bias(bias: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """What the forward adds: the qkv bias times its (loaded) mask, or the bias itself without one."""
-    return bias if mask is None else bias * mask.to(bias.dtype)
+    return bias if mask is None else bias * _mask_like(bias, mask)
 
 
-class KMaskedBiasLinear(nn.Linear):
-    """The qkv projection whose bias is multiplied by `bias_mask` (k-bias masking).
+def fold_bias_mask_(linear: nn.Linear) -> nn.Linear:
+    """Multiplies the bias of a qkv linear by its `bias_mask` in place: the bias is then what the forward adds.
 
-    The mask is a buffer loaded from checkpoints: fresh models zero the k third, and the released files
-    carry an all-zero mask, so loading must keep the file's mask rather than regenerate it.
+    The mask is ones and zeros, so folding is exact in any dtype and folding twice changes nothing."""
+    if linear.bias is not None:
+        with torch.no_grad():
+            linear.bias.mul_(_mask_like(linear.bias, linear.bias_mask))
+    return linear
+
+
+def reset_bias_mask(linear: nn.Linear) -> None:
+    """A fresh mask on a qkv linear (k rows zero, `k_bias_mask`), folded into its bias."""
+    with torch.no_grad():
+        linear.bias_mask.copy_(k_bias_mask(linear.out_features, linear.in_features))
+    fold_bias_mask_(linear)
+
+
+def _fold_on_load(module: nn.Module, state_dict: dict, prefix: str, *args: object) -> None:
+    """`load_state_dict`'s pre-hook: the loaded bias becomes bias * mask (the loaded mask, else the module's).
+
+    A new tensor in load_state_dict's own copy of the dict: the caller's tensors, which `assign=True` would
+    make the module's (a file's pages, a conversion's plan), are never written to."""
+    bias = state_dict.get(prefix + "bias")
+    mask = state_dict.get(prefix + "bias_mask", module.bias_mask)
+    if bias is not None and bias.shape == mask.shape:  # else torch reports the mismatch as for any key
+        state_dict[prefix + "bias"] = effective_qkv_bias(bias, mask.to(bias.device))
+
+
+def k_masked_linear(in_features: int, out_features: int) -> nn.Linear:
+    """The qkv projection with k-bias masking: a plain `nn.Linear` with a `bias_mask` buffer, its bias folded.
+
+    The type is exactly `nn.Linear`, so whatever matches types (`quantize_dynamic`) treats it as every other
+    linear. The bias holds bias * mask: fresh and after every `load_state_dict` (a pre-hook folds the file's
+    raw bias by its mask), so the eval forward is the plain linear. The mask is kept as a buffer loaded from
+    checkpoints: Meta's layout has it, fresh models zero the k rows, and the released files carry an
+    all-zero mask. Training multiplies the bias by the mask again (`Attention`), so masked rows get no gradient.
     """
+    linear = nn.Linear(in_features, out_features, bias=True)
+    linear.register_buffer("bias_mask", torch.empty(out_features))
+    reset_bias_mask(linear)
+    # The hook the model's key conversion uses too: torch's public one is newer than the oldest torch supported.
+    linear._register_load_state_dict_pre_hook(_fold_on_load, with_module=True)
+    return linear
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=True)
-        self.register_buffer("bias_mask", torch.empty(out_features))
-        self.reset_bias_mask()
 
-    def reset_bias_mask(self) -> None:
-        self.bias_mask.copy_(k_bias_mask(self.out_features, self.in_features))
+def has_bias_mask(module: nn.Module) -> bool:
+    """Whether `module` is a qkv linear with k-bias masking (built by `k_masked_linear`)."""
+    return isinstance(module, nn.Linear) and module.bias is not None and "bias_mask" in module._buffers
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, effective_qkv_bias(self.bias, self.bias_mask))
+
+def fold_bias_masks_(model: nn.Module) -> nn.Module:
+    """Folds every qkv `bias_mask` of `model` into its bias, in place, and returns `model`.
+
+    Loading and fresh init fold already; call this after writing qkv biases by hand, so that the eval forward
+    (the plain linear) adds the masked bias as training does."""
+    for module in model.modules():
+        if has_bias_mask(module):
+            fold_bias_mask_(module)
+    return model
 
 
 class Attention(nn.Module):
@@ -99,7 +154,7 @@ class Attention(nn.Module):
         self.head_dim = dim // num_heads
         out = dim + 2 * self.num_kv_heads * self.head_dim
         if qkv_bias and mask_k_bias:
-            self.qkv = KMaskedBiasLinear(dim, out)
+            self.qkv = k_masked_linear(dim, out)
         else:
             self.qkv = nn.Linear(dim, out, bias=qkv_bias)
         self.normed_qk = qk_norm is not None
@@ -108,6 +163,17 @@ class Attention(nn.Module):
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
+
+    def _project_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is folded (bias * mask) for the eval forward; training multiplies by the mask in the graph
+        # too, so the masked rows get zero gradient and stay zero, as in Meta's LinearKMaskedBias. A qkv
+        # replaced by another module (a quantized linear) is just called. `self.qkv` throughout, not a local:
+        # TorchScript resolves a submodule's type and attributes only on the attribute itself.
+        if self.training and isinstance(self.qkv, nn.Linear) and hasattr(self.qkv, "bias_mask"):
+            bias = self.qkv.bias
+            assert bias is not None
+            return F.linear(x, self.qkv.weight, bias * self.qkv.bias_mask.to(bias.dtype))
+        return self.qkv(x)
 
     def forward(
         self,
@@ -119,7 +185,7 @@ class Attention(nn.Module):
         boolean `[batch, 1, 1, tokens]` (a NaFlex batch's padding is no key)."""
         batch, tokens, dim = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv(x).unflatten(-1, (heads + 2 * kv_heads, self.head_dim))
+        qkv = self._project_qkv(x).unflatten(-1, (heads + 2 * kv_heads, self.head_dim))
         # Slices, not `split`: views alike, and an exported graph gets Slice (a split of sizes is a sequence op
         # there until an optimiser folds it)
         q, k, v = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads], qkv[:, :, heads + kv_heads :]
