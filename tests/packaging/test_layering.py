@@ -51,6 +51,8 @@ LAYERS = (
     ("convert", 7),
     ("publish", 7),
     ("export", 7),
+    ("fidelity", 7),  # a changed model's outputs against its fp32 original's; draws images with tools
+    ("deploy", 7),  # int8 copies of a model, with their fidelity
     ("tools", 7),
     ("probe", 7),
     ("pretrain", 7),  # losses, heads and masks of self-supervised training: torch alone so far
