@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .image_folder import CLASSIFICATION, TASKS
+from .int8_request import INT8_MODES, MAX_IMAGES
 from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS, FormatSpec
 from .paths import experiments_dir, install_hint
 from .probe_request import TOKENS
@@ -29,7 +30,10 @@ EXPORT_EXAMPLES = """examples:
   timm-ls export dinov3_vitb16_pretrain_lvd1689m.pth vitb16.onnx --outputs features:2,5,8,11 --check
   timm-ls export vit_ls_base_patch16_dinov3.lvd1689m vitb16-fp16.onnx --pretrained --dtype fp16 --size 224x224
   timm-ls export vit7b16-folder vit7b16.onnx --model vit_ls_7b_patch16_dinov3 --dtype fp16
-  timm-ls export vit7b16-folder vit7b16-2.onnx --model-kwargs depth=2 --check   # the first 2 blocks"""
+  timm-ls export vit7b16-folder vit7b16-2.onnx --model-kwargs depth=2 --check   # the first 2 blocks
+  timm-ls export vit_ls_small_patch16_dinov3.lvd1689m vits16-int8.onnx --pretrained --int8 dynamic --images photos/
+  timm-ls export vit_ls_small_patch16_dinov3.lvd1689m vits16-int8.onnx --pretrained --int8 static \\
+      --calibrate photos/ --min-cosine 0.98"""
 FEATURES_EXAMPLES = """examples:
   timm-ls features photo.jpg --model vit_ls_small_patch16_dinov3.lvd1689m --pretrained --out pca
   timm-ls features photos/ --model vit_small_patch14_dinov2.lvd142m --pretrained --out pca --foreground
@@ -277,7 +281,36 @@ def add_export(commands: argparse._SubParsersAction) -> None:
         help="compare ONNX Runtime with PyTorch fp32 at three sizes; fail above a relative error of "
         + CHECK_TOLERANCES,
     )
+    _int8_options(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+
+
+def _int8_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--int8",
+        metavar=_choices(INT8_MODES),
+        help="write int8 weights (the Linear layers' MatMul/Gemm, per output channel) with ONNX Runtime's "
+        "quantizer: dynamic quantizes activations at run time, static calibrates them on --calibrate's images "
+        "(QDQ). The fp32 graph is exported first (and checked, with --check), then quantized; the file also "
+        "outputs tokens, and a fidelity line compares it with PyTorch fp32",
+    )
+    parser.add_argument(
+        "--calibrate",
+        metavar="DATA",
+        help=f"--int8 static: a folder of images (its first {MAX_IMAGES} by name) to calibrate on and to "
+        "report the fidelity on, resized and normalised as the model's pretrained config says",
+    )
+    parser.add_argument(
+        "--images",
+        metavar="DATA",
+        help="--int8 dynamic: a folder of images to report the fidelity on (default: 8 rendered images)",
+    )
+    parser.add_argument(
+        "--min-cosine",
+        metavar="X",
+        help="with --int8: write nothing and exit 2 when the int8 file's pooled or patch cosine similarity to "
+        "PyTorch fp32 falls below X (0 to 1) on some image",
+    )
 
 
 def add_features(commands: argparse._SubParsersAction) -> None:
