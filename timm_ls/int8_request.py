@@ -8,6 +8,7 @@ most `MAX_IMAGES` of them.
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -65,3 +66,32 @@ def image_folder_files(folder: str | Path, flag: str) -> list[Path]:
     if not found:
         raise ValueError(f"{flag} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); pass a folder of images")
     return found[:MAX_IMAGES]
+
+
+def add_int8_options(parser: argparse.ArgumentParser) -> None:
+    """`export`'s --int8, --calibrate, --images and --min-cosine."""
+    parser.add_argument(
+        "--int8",
+        metavar="{" + ",".join(INT8_MODES) + "}",
+        help="write int8 weights (the Linear layers' MatMul/Gemm, per output channel) with ONNX Runtime's "
+        "quantizer: dynamic quantizes activations at run time, static calibrates them on --calibrate's images "
+        "(QDQ). The fp32 graph is exported first (and checked, with --check), then quantized; the file also "
+        "outputs tokens, and a fidelity line compares it with PyTorch fp32",
+    )
+    parser.add_argument(
+        "--calibrate",
+        metavar="DATA",
+        help=f"--int8 static: a folder of images (its first {MAX_IMAGES} by name) to calibrate on and to "
+        "report the fidelity on, resized and normalised as the model's pretrained config says",
+    )
+    parser.add_argument(
+        "--images",
+        metavar="DATA",
+        help="--int8 dynamic: a folder of images to report the fidelity on (default: 8 rendered images)",
+    )
+    parser.add_argument(
+        "--min-cosine",
+        metavar="X",
+        help="with --int8: write nothing and exit 2 when the int8 file's pooled or patch cosine similarity to "
+        "PyTorch fp32 falls below X (0 to 1) on some image",
+    )

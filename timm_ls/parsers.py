@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .image_folder import CLASSIFICATION, TASKS
-from .int8_request import INT8_MODES, MAX_IMAGES
+from .int8_request import add_int8_options
 from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS, FormatSpec
 from .paths import experiments_dir, install_hint
 from .probe_request import TOKENS
@@ -281,36 +281,8 @@ def add_export(commands: argparse._SubParsersAction) -> None:
         help="compare ONNX Runtime with PyTorch fp32 at three sizes; fail above a relative error of "
         + CHECK_TOLERANCES,
     )
-    _int8_options(parser)
+    add_int8_options(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-
-
-def _int8_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--int8",
-        metavar=_choices(INT8_MODES),
-        help="write int8 weights (the Linear layers' MatMul/Gemm, per output channel) with ONNX Runtime's "
-        "quantizer: dynamic quantizes activations at run time, static calibrates them on --calibrate's images "
-        "(QDQ). The fp32 graph is exported first (and checked, with --check), then quantized; the file also "
-        "outputs tokens, and a fidelity line compares it with PyTorch fp32",
-    )
-    parser.add_argument(
-        "--calibrate",
-        metavar="DATA",
-        help=f"--int8 static: a folder of images (its first {MAX_IMAGES} by name) to calibrate on and to "
-        "report the fidelity on, resized and normalised as the model's pretrained config says",
-    )
-    parser.add_argument(
-        "--images",
-        metavar="DATA",
-        help="--int8 dynamic: a folder of images to report the fidelity on (default: 8 rendered images)",
-    )
-    parser.add_argument(
-        "--min-cosine",
-        metavar="X",
-        help="with --int8: write nothing and exit 2 when the int8 file's pooled or patch cosine similarity to "
-        "PyTorch fp32 falls below X (0 to 1) on some image",
-    )
 
 
 def add_features(commands: argparse._SubParsersAction) -> None:

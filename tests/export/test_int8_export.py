@@ -56,6 +56,16 @@ def int8_weights(g: onnx.GraphProto) -> int:
     return sum(1 for i in g.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) == 2)
 
 
+def per_channel(g: onnx.GraphProto, op: str, weight: int, scale: int) -> bool:
+    """Every `op` node's weight (input `weight`) has one scale or zero point (input `scale`) per output column."""
+    values = {i.name: i for i in g.initializer}
+    nodes = [n for n in g.node if n.op_type == op and n.input[weight] in values]
+    return bool(nodes) and all(
+        list(values[n.input[scale]].dims) == [values[n.input[weight]].dims[-1]] and values[n.input[weight]].dims[-1] > 1
+        for n in nodes
+    )
+
+
 def write_pngs(folder: Path, count: int, seed: int = 0) -> Path:
     folder.mkdir()
     rng = np.random.default_rng(seed)
@@ -117,6 +127,7 @@ def test_dynamic_quantizes_every_linear_and_stays_close(tmp_path):
     assert linears == 4 * TINY["depth"]  # qkv, proj, fc1, fc2 per block
     assert ops["MatMulInteger"] == linears and weight_matmuls(after) == 0 and int8_weights(after) == linears
     assert ops["DynamicQuantizeLinear"] >= 1 and ops["MatMul"] == 2 * TINY["depth"]  # q @ k, attn @ v stay fp32
+    assert per_channel(after, "MatMulInteger", weight=1, scale=3)  # b_zero_point per output channel
     assert [o.name for o in after.output] == ["pooled", "tokens"] and result.outputs == ["pooled", "tokens"]
     assert os.path.getsize(tmp_path / "int8.onnx") < 0.7 * os.path.getsize(tmp_path / "fp32.onnx")
     assert fp32.fidelity is None and result.int8 == "dynamic" and result.check  # the fp32 graph, checked
@@ -181,6 +192,10 @@ def test_static_calibrates_on_the_folder_and_reports(tmp_path, checkpoint, pngs)
     ops = Counter(n.op_type for n in g.node)
     assert ops["QuantizeLinear"] >= 4 * TINY["depth"] and ops["DequantizeLinear"] >= ops["QuantizeLinear"]
     assert qdq_weights(g) == 4 * TINY["depth"] == int8_weights(g) and weight_matmuls(g) == 0
+    assert per_channel(g, "DequantizeLinear", weight=0, scale=1)
+    dequantized = {n.output[0] for n in g.node if n.op_type == "DequantizeLinear"}
+    fed = [n for n in g.node if n.op_type == "MatMul" and any(i in dequantized for i in n.input)]
+    assert len(fed) == 4 * TINY["depth"]  # the Linear layers; attention's two MatMuls stay fp32
     model = tiny(seed=3)  # the checkpoint's model
     x = folder_images(model, pngs)
     fidelity = compare(model_outputs(model, x), file_outputs(dst, model, x))

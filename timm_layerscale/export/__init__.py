@@ -190,11 +190,9 @@ def export_onnx(
     there above protobuf's 2 GB. `dst` must sit in an existing folder; an existing one (and its `.data`) is
     replaced only with `overwrite`.
 
-    `int8` ("dynamic" or "static") writes int8 weights (`export.int8` says which ops and options), from the
-    fp32 graph (`dtype` fp32); the file then also outputs `tokens`. `static` calibrates on the images of the
-    folder `calibrate`; the fidelity against PyTorch fp32 is measured on those, on `images` (dynamic), or on
-    rendered ones, and carried in `fidelity`. `min_cosine`: below it (pooled or patch cosine, on some image)
-    `FidelityError` is raised and nothing written.
+    `int8` ("dynamic" or "static", from the fp32 graph; `export.int8` says how) adds a `tokens` output,
+    calibrates static on the folder `calibrate`, and measures the file against PyTorch fp32 on those images,
+    `images`' or rendered ones (`fidelity`); below `min_cosine` it raises `FidelityError`, writing nothing.
     """
     require_onnx()
     dst = Path(dst)
@@ -210,23 +208,47 @@ def export_onnx(
     if (check or quant) and src.model is None:
         _refuse_a_check_beyond_memory(src.config)
     with atomic_destination(dst, overwrite, what="export", companions=[external_data_path(dst).name]) as staged:
-        fp32 = staged.with_name(f"fp32-{staged.name}") if quant else staged
-        opset_used, external = _write(fp32, src, graph, external_data)
-        info = metadata(src, config, kind, graph.names, dtype, batch, size, graph.folded, opset_used)
-        set_metadata(fp32, info)
-        result = OnnxExport(dst, None, src.name, src.weights, graph.names, dtype, opset_used, info)
-        reference = None
-        if check or quant:
-            reference = src.model if src.model is not None else reference_from_checkpoint(src)
-        if check:
-            result.check = check_onnx(
-                fp32, reference, kind, blocks, dtype, batch, size, check_sizes, with_tokens=graph.with_tokens
-            )
-            result.tolerance = TOLERANCE[dtype]
-            verdict(result.check, dtype)
-        if quant:
-            external = _int8(fp32, staged, quant, graph, reference, result, external_data)
-        result.external_data = external_data_path(dst) if external else None
+        return _stage(staged, dst, src, graph, external_data, (check_sizes or []) if check else None, quant)
+
+
+def _stage(
+    staged: Path,
+    dst: Path,
+    src: Source,
+    graph: _Graph,
+    external_data: bool | None,
+    check_sizes: Sequence[tuple[int, int]] | None,
+    quant: Int8Request | None,
+) -> OnnxExport:
+    """The file at `staged`: the graph (fp32 beside it first with `quant`), checked where `check_sizes` is not
+    None (an empty list: the default sizes), quantized and measured with `quant`."""
+    fp32 = staged.with_name(f"fp32-{staged.name}") if quant else staged
+    opset, external = _write(fp32, src, graph, external_data)
+    info = metadata(
+        src, graph.config, graph.kind, graph.names, graph.dtype, graph.batch, graph.size, graph.folded, opset
+    )
+    set_metadata(fp32, info)
+    result = OnnxExport(dst, None, src.name, src.weights, graph.names, graph.dtype, opset, info)
+    reference = None
+    if check_sizes is not None or quant:
+        reference = src.model if src.model is not None else reference_from_checkpoint(src)
+    if check_sizes is not None:
+        result.check = check_onnx(
+            fp32,
+            reference,
+            graph.kind,
+            graph.blocks,
+            graph.dtype,
+            graph.batch,
+            graph.size,
+            check_sizes or None,
+            with_tokens=graph.with_tokens,
+        )
+        result.tolerance = TOLERANCE[graph.dtype]
+        verdict(result.check, graph.dtype)
+    if quant:
+        external = _int8(fp32, staged, quant, graph, reference, result, external_data)
+    result.external_data = external_data_path(dst) if external else None
     return result
 
 
