@@ -16,6 +16,7 @@ from pathlib import Path
 from .destinations import destination_problem, format_destination_problem
 from .errors import CliError
 from .image_folder import TASKS, read_image_folder
+from .int8_request import image_folder_files, int8_problem, parse_min_cosine
 from .names import (
     CAST_DTYPES,
     EXPORT_DTYPES,
@@ -119,6 +120,25 @@ def check_export(args: argparse.Namespace) -> None:
     _destination(
         args.dst, folder=False, what="export", overwrite=args.overwrite, suffixes=(".onnx",), companions=[data]
     )
+    _int8(args)
+
+
+def _int8(args: argparse.Namespace) -> None:
+    """The int8 options together, `--min-cosine`'s value and the image folders' files (their pixels are the
+    package's to read)."""
+    try:
+        parse_min_cosine(args.min_cosine)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    problem = int8_problem(args.int8, args.dtype, args.calibrate, args.images, args.min_cosine)
+    if problem:
+        raise CliError(problem)
+    for flag, folder in (("--calibrate", args.calibrate), ("--images", args.images)):
+        if folder is not None:
+            try:
+                image_folder_files(folder, flag)
+            except ValueError as exc:
+                raise CliError(str(exc)) from None
 
 
 def check_inspect(args: argparse.Namespace) -> None:

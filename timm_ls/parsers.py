@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .image_folder import CLASSIFICATION, TASKS
+from .int8_request import add_int8_options
 from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS, FormatSpec
 from .paths import experiments_dir, install_hint
 from .probe_request import TOKENS
@@ -29,7 +30,10 @@ EXPORT_EXAMPLES = """examples:
   timm-ls export dinov3_vitb16_pretrain_lvd1689m.pth vitb16.onnx --outputs features:2,5,8,11 --check
   timm-ls export vit_ls_base_patch16_dinov3.lvd1689m vitb16-fp16.onnx --pretrained --dtype fp16 --size 224x224
   timm-ls export vit7b16-folder vit7b16.onnx --model vit_ls_7b_patch16_dinov3 --dtype fp16
-  timm-ls export vit7b16-folder vit7b16-2.onnx --model-kwargs depth=2 --check   # the first 2 blocks"""
+  timm-ls export vit7b16-folder vit7b16-2.onnx --model-kwargs depth=2 --check   # the first 2 blocks
+  timm-ls export vit_ls_small_patch16_dinov3.lvd1689m vits16-int8.onnx --pretrained --int8 dynamic --images photos/
+  timm-ls export vit_ls_small_patch16_dinov3.lvd1689m vits16-int8.onnx --pretrained --int8 static \\
+      --calibrate photos/ --min-cosine 0.98"""
 FEATURES_EXAMPLES = """examples:
   timm-ls features photo.jpg --model vit_ls_small_patch16_dinov3.lvd1689m --pretrained --out pca
   timm-ls features photos/ --model vit_small_patch14_dinov2.lvd142m --pretrained --out pca --foreground
@@ -277,6 +281,7 @@ def add_export(commands: argparse._SubParsersAction) -> None:
         help="compare ONNX Runtime with PyTorch fp32 at three sizes; fail above a relative error of "
         + CHECK_TOLERANCES,
     )
+    add_int8_options(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
 
 

@@ -1,11 +1,12 @@
-"""`timm-ls export MODEL_OR_CHECKPOINT DST.onnx`: ONNX with one input, checked in ONNX Runtime with --check."""
+"""`timm-ls export MODEL_OR_CHECKPOINT DST.onnx`: ONNX with one input, checked in ONNX Runtime with --check;
+int8 with --int8, its fidelity to PyTorch fp32 printed (and held to --min-cosine)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..export import OnnxCheckError, export_onnx, require_onnx
+from ..export import FidelityError, OnnxCheckError, export_onnx, require_onnx
 from ..hub import HubError
 from .common import parse_model_kwargs
 
@@ -27,6 +28,10 @@ def execute(args: argparse.Namespace) -> int:
             opset=args.opset,
             check=args.check,
             overwrite=args.overwrite,
+            int8=args.int8,
+            calibrate=args.calibrate,
+            images=args.images,
+            min_cosine=args.min_cosine,
         )
     except HubError as exc:
         raise exc.instead("pass the downloaded file instead: timm-ls export FILE DST.onnx --model NAME") from None
@@ -35,7 +40,15 @@ def execute(args: argparse.Namespace) -> int:
             print(row.line())
         print(f"timm-ls: check failed: {exc}", file=sys.stderr)
         return 1
+    except FidelityError as exc:
+        print(exc.fidelity.line())
+        print(f"timm-ls: error: {exc}", file=sys.stderr)
+        return 2
     for row in result.check:
         print(row.line())
+    for line in result.skipped:
+        print(f"timm-ls: skipped {line}", file=sys.stderr)
+    if result.fidelity is not None:
+        print(result.fidelity.line())
     print(result.summary())
     return 0

@@ -6,6 +6,9 @@ exported from a model on the meta device (no initializers, the exporter's graph 
 tensor is then read from the checkpoint, fitted and cast as a load would, and written into the file, so a
 7B exports in fp16 with little memory. Above protobuf's 2 GB the weights go into external data beside the
 file. The file and its external data are staged beside the destination and put in place together.
+
+With `int8`, the fp32 graph is staged (and checked), quantized by ONNX Runtime into the staged file and measured
+against PyTorch fp32 (`export.int8`); a file below `min_cosine` is never put in place.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from timm_ls.paths import install_hint
 from ..checkpoints.dtypes import cast_dtype
 from ..checkpoints.write.writers import atomic_destination
 from ..config import VitLsConfig
+from ..fidelity import Fidelity
 from ..fold import fold_layer_scale
 from ..model import VisionTransformerLS
 from .check import TOLERANCE, check_onnx, verdict
@@ -41,6 +45,16 @@ from .graph import (
     output_names,
     parse_outputs,
 )
+from .int8 import (
+    OPTIONS,
+    FidelityError,
+    Int8Request,
+    check_int8_request,
+    int8_request,
+    measure,
+    quantize,
+    refuse_below,
+)
 from .sources import Source, resolve_source
 from .weights import (
     EXTERNAL_DATA_BYTES,
@@ -52,7 +66,16 @@ from .weights import (
     write_streamed,
 )
 
-__all__ = ["CheckRow", "ExportError", "OnnxCheckError", "OnnxExport", "check_onnx", "export_onnx", "require_onnx"]
+__all__ = [
+    "CheckRow",
+    "ExportError",
+    "FidelityError",
+    "OnnxCheckError",
+    "OnnxExport",
+    "check_onnx",
+    "export_onnx",
+    "require_onnx",
+]
 
 REQUIRED = ("onnx", "onnxscript", "onnxruntime")
 
@@ -71,15 +94,26 @@ class OnnxExport:
     metadata: dict[str, str]
     check: list[CheckRow] = field(default_factory=list)
     tolerance: float | None = None
+    int8: str | None = None  # "dynamic" or "static"
+    fidelity: Fidelity | None = None  # the int8 file against PyTorch fp32
+    fidelity_images: str = ""  # what the fidelity was measured on
+    skipped: list[str] = field(default_factory=list)  # unreadable images left out of calibration and fidelity
 
     def summary(self) -> str:
         data = f" + {self.external_data.name}" if self.external_data else ""
         checked = ""
         if self.check:
             worst = max(r.max_rel for r in self.check)
-            checked = f"; ONNX Runtime matches PyTorch fp32 (max rel {worst:.1e} <= {self.tolerance:g})"
+            what = "the fp32 graph" if self.int8 else "ONNX Runtime"
+            checked = f"; {what} matches PyTorch fp32 (max rel {worst:.1e} <= {self.tolerance:g})"
+        dtype = f"int8 {self.int8} ({OPTIONS[self.int8]})" if self.int8 else self.dtype
+        if self.fidelity is not None:
+            checked += (
+                f"; int8 vs fp32 on {self.fidelity_images}: pooled cosine min {self.fidelity.pooled_cosine_min:.5f}, "
+                f"patch cosine min {self.fidelity.patch_cosine_min:.4f}"
+            )
         return (
-            f"exported {self.variant} ({self.weights}) to {self.path}{data}: {self.dtype}, opset {self.opset}, "
+            f"exported {self.variant} ({self.weights}) to {self.path}{data}: {dtype}, opset {self.opset}, "
             f"input {INPUT_NAME} {self.metadata['input_shape']}, outputs {', '.join(self.outputs)}{checked}"
         )
 
@@ -96,10 +130,11 @@ class _Graph:
     size: tuple[int, int] | None
     fuse: bool
     opset: int | None
+    with_tokens: bool = False  # an int8 export's: the tokens its fidelity is read from
 
     @property
     def names(self) -> list[str]:
-        return output_names(self.kind, self.blocks)
+        return output_names(self.kind, self.blocks, self.with_tokens)
 
     @property
     def cast(self) -> torch.dtype:
@@ -136,6 +171,10 @@ def export_onnx(
     overwrite: bool = False,
     external_data: bool | None = None,
     check_sizes: Sequence[tuple[int, int]] | None = None,
+    int8: str | None = None,
+    calibrate: str | Path | None = None,
+    images: str | Path | None = None,
+    min_cosine: float | None = None,
 ) -> OnnxExport:
     """Exports a model to ONNX at `dst` with one input, `pixel_values` `[N, 3, H, W]`.
 
@@ -150,30 +189,92 @@ def export_onnx(
     written. `external_data` forces (True) or forbids (False) weights beside the file; by default they go
     there above protobuf's 2 GB. `dst` must sit in an existing folder; an existing one (and its `.data`) is
     replaced only with `overwrite`.
+
+    `int8` ("dynamic" or "static", from the fp32 graph; `export.int8` says how) adds a `tokens` output,
+    calibrates static on the folder `calibrate`, and measures the file against PyTorch fp32 on those images,
+    `images`' or rendered ones (`fidelity`); below `min_cosine` it raises `FidelityError`, writing nothing.
     """
     require_onnx()
     dst = Path(dst)
     _check_request(dst, dtype, overwrite)
+    check_int8_request(int8, dtype, calibrate, images, min_cosine)
     batch = _parse_batch(batch)
     src = resolve_source(model_or_source, model, dict(model_kwargs or {}), pretrained)
     size = _parse_size(size, src.config)
     kind, blocks = parse_outputs(outputs, src.config.depth)
     config = src.config.replace(init_values=0) if fuse_layerscale else src.config
-    graph = _Graph(config, kind, blocks, dtype, batch, size, fuse_layerscale, opset)
-    if check and src.model is None:
+    quant = int8_request(int8, dtype, calibrate, images, min_cosine, src.pretrained_cfg, size)
+    graph = _Graph(config, kind, blocks, dtype, batch, size, fuse_layerscale, opset, quant is not None)
+    if (check or quant) and src.model is None:
         _refuse_a_check_beyond_memory(src.config)
     with atomic_destination(dst, overwrite, what="export", companions=[external_data_path(dst).name]) as staged:
-        opset_used, external = _write(staged, src, graph, external_data)
-        info = metadata(src, config, kind, graph.names, dtype, batch, size, graph.folded, opset_used)
-        set_metadata(staged, info)
-        data = external_data_path(dst) if external else None
-        result = OnnxExport(dst, data, src.name, src.weights, graph.names, dtype, opset_used, info)
-        if check:
-            reference = src.model if src.model is not None else reference_from_checkpoint(src)
-            result.check = check_onnx(staged, reference, kind, blocks, dtype, batch, size, check_sizes)
-            result.tolerance = TOLERANCE[dtype]
-            verdict(result.check, dtype)
+        return _stage(staged, dst, src, graph, external_data, (check_sizes or []) if check else None, quant)
+
+
+def _stage(
+    staged: Path,
+    dst: Path,
+    src: Source,
+    graph: _Graph,
+    external_data: bool | None,
+    check_sizes: Sequence[tuple[int, int]] | None,
+    quant: Int8Request | None,
+) -> OnnxExport:
+    """The file at `staged`: the graph (fp32 beside it first with `quant`), checked where `check_sizes` is not
+    None (an empty list: the default sizes), quantized and measured with `quant`."""
+    fp32 = staged.with_name(f"fp32-{staged.name}") if quant else staged
+    opset, external = _write(fp32, src, graph, external_data)
+    info = metadata(
+        src, graph.config, graph.kind, graph.names, graph.dtype, graph.batch, graph.size, graph.folded, opset
+    )
+    set_metadata(fp32, info)
+    result = OnnxExport(dst, None, src.name, src.weights, graph.names, graph.dtype, opset, info)
+    reference = None
+    if check_sizes is not None or quant:
+        reference = src.model if src.model is not None else reference_from_checkpoint(src)
+    if check_sizes is not None:
+        result.check = check_onnx(
+            fp32,
+            reference,
+            graph.kind,
+            graph.blocks,
+            graph.dtype,
+            graph.batch,
+            graph.size,
+            check_sizes or None,
+            with_tokens=graph.with_tokens,
+        )
+        result.tolerance = TOLERANCE[graph.dtype]
+        verdict(result.check, graph.dtype)
+    if quant:
+        external = _int8(fp32, staged, quant, graph, reference, result, external_data)
+    result.external_data = external_data_path(dst) if external else None
     return result
+
+
+def _int8(
+    fp32: Path,
+    staged: Path,
+    quant: Int8Request,
+    graph: _Graph,
+    reference: nn.Module,
+    result: OnnxExport,
+    external_data: bool | None,
+) -> bool:
+    """The staged fp32 file quantized into `staged` and measured; raises `FidelityError` below the bar.
+    Returns whether the int8 weights went into external data."""
+    external = fp32_bytes(graph.config) // 4 > EXTERNAL_DATA_BYTES if external_data is None else external_data
+    quantize(fp32, staged, quant, graph.batch, external)
+    fp32.unlink()  # the staging folder goes when the export ends; its space is needed now
+    external_data_path(fp32).unlink(missing_ok=True)
+    fidelity = measure(staged, reference, graph.names, quant.images, graph.batch)
+    result.int8, result.fidelity = quant.mode, fidelity
+    result.fidelity_images, result.skipped = quant.described, quant.skipped
+    result.metadata = {**result.metadata, "int8": quant.mode, "int8_options": OPTIONS[quant.mode]}
+    result.metadata["int8_fidelity"] = f"{fidelity.line()} ({quant.described})"
+    set_metadata(staged, result.metadata)
+    refuse_below(fidelity, quant)
+    return external
 
 
 def _check_request(dst: Path, dtype: str, overwrite: bool) -> None:
@@ -202,7 +303,7 @@ def _write(staged: Path, src: Source, graph: _Graph, external_data: bool | None)
         if graph.cast != torch.float32:
             norms_in_fp32(exported)
         example, shapes = example_and_shapes(graph.config, graph.cast, graph.batch, graph.size, "cpu")
-        forward = ExportedForward(exported, graph.kind, graph.blocks).eval()
+        forward = ExportedForward(exported, graph.kind, graph.blocks, graph.with_tokens).eval()
         program = export_program(forward, example, shapes, graph.names, graph.opset, True)
         nbytes = sum(t.numel() * t.element_size() for t in exported.state_dict().values())
         external = nbytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
@@ -212,7 +313,7 @@ def _write(staged: Path, src: Source, graph: _Graph, external_data: bool | None)
         if graph.cast != torch.float32:
             norms_in_fp32(meta_model)
         example, shapes = example_and_shapes(graph.config, graph.cast, graph.batch, graph.size, "meta")
-        forward = ExportedForward(meta_model, graph.kind, graph.blocks)
+        forward = ExportedForward(meta_model, graph.kind, graph.blocks, graph.with_tokens)
         program = export_program(forward, example, shapes, graph.names, graph.opset, False)
         external = write_streamed(staged, program, src, meta_model, external_data)
     return program.model.opset_imports.get("", graph.opset or 0), external

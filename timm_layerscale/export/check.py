@@ -28,15 +28,17 @@ def check_onnx(
     size: tuple[int, int] | None = None,
     sizes: Sequence[tuple[int, int]] | None = None,
     seed: int = 0,
+    with_tokens: bool = False,
 ) -> list[CheckRow]:
     """ONNX Runtime against `reference` (PyTorch, fp32) on random inputs: square, wide and tall sides (or
-    the static size), two batch sizes when the batch is dynamic. Max absolute and relative errors, per output."""
+    the static size), two batch sizes when the batch is dynamic. Max absolute and relative errors, per output
+    (`with_tokens`: an int8 export's fp32 graph, with its added `tokens` output)."""
     import onnxruntime as ort  # the `export` extra, imported on use: the package imports without it
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    forward = ExportedForward(reference, kind, blocks).eval()
+    forward = ExportedForward(reference, kind, blocks, with_tokens).eval()
     p = reference.patch_size
     sizes = [size] if size is not None else sizes or [(h * p, w * p) for h, w in CHECK_PATCHES]
     generator = torch.Generator().manual_seed(seed)
@@ -49,7 +51,7 @@ def check_onnx(
                 expected = forward(x)
             expected = expected if isinstance(expected, tuple) else (expected,)
             got = session.run(None, {INPUT_NAME: x.to(cast_dtype(dtype)).numpy()})
-            for name, want, have in zip(output_names(kind, blocks), expected, got, strict=True):
+            for name, want, have in zip(output_names(kind, blocks, with_tokens), expected, got, strict=True):
                 diff = (torch.from_numpy(have).float() - want.float()).abs().max().item()
                 scale = want.float().abs().max().item() or 1.0
                 rows.append(CheckRow(height, width, batch_size, name, diff, diff / scale))

@@ -52,8 +52,9 @@ def _blocks(item: str, depth: int) -> list[int]:
     return feature_layers(item, depth) if item.lower() in FEATURE_LAYER_NAMES else [int(item)]
 
 
-def output_names(kind: str, blocks: Sequence[int]) -> list[str]:
-    return [f"features_{b}" for b in blocks] if kind == "features" else [kind]
+def output_names(kind: str, blocks: Sequence[int], with_tokens: bool = False) -> list[str]:
+    names = [f"features_{b}" for b in blocks] if kind == "features" else [kind]
+    return [*names, "tokens"] if with_tokens and kind != "tokens" else names
 
 
 class ExportedForward(nn.Module):
@@ -61,14 +62,16 @@ class ExportedForward(nn.Module):
 
     ONNX has no assert: the input is reshaped to `[N, C, H/p, p, W/p, p]` and back, a Reshape that
     ONNX Runtime (and any runtime) refuses when a side is not a multiple of p, where the patch
-    embedding's convolution would silently drop the remainder.
+    embedding's convolution would silently drop the remainder. `with_tokens` adds the last block's normed
+    tokens as a last output (an int8 export's fidelity is read from them), computed once with the others.
     """
 
-    def __init__(self, model: VisionTransformerLS, kind: str, blocks: Sequence[int]) -> None:
+    def __init__(self, model: VisionTransformerLS, kind: str, blocks: Sequence[int], with_tokens: bool = False) -> None:
         super().__init__()
         self.model = model
         self.kind = kind
         self.blocks = list(blocks)
+        self.with_tokens = with_tokens and kind != "tokens"
         self.check_sides = not model.patch_embed.dynamic_img_pad
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -77,11 +80,17 @@ class ExportedForward(nn.Module):
             batch, chans, height, width = x.shape
             p = self.model.patch_size
             x = x.reshape(batch, chans, height // p, p, width // p, p).reshape(batch, chans, height, width)
-        if self.kind == "pooled":
-            return self.model(x)
         if self.kind == "tokens":
             return self.model.forward_features(x)
-        return tuple(self.model.forward_intermediates(x, indices=self.blocks, intermediates_only=True))
+        if self.kind == "pooled":
+            if not self.with_tokens:
+                return self.model(x)
+            tokens = self.model.forward_features(x)
+            return self.model.forward_head(tokens), tokens
+        if not self.with_tokens:
+            return tuple(self.model.forward_intermediates(x, indices=self.blocks, intermediates_only=True))
+        tokens, features = self.model.forward_intermediates(x, indices=self.blocks)
+        return (*features, tokens)
 
 
 class Fp32LayerNorm(nn.LayerNorm):
