@@ -29,6 +29,7 @@ LAYERS = (
     ("timm_ls.model_source", -1),
     ("timm_ls.probe_request", -1),
     ("timm_ls.int8_request", -1),
+    ("timm_ls.logs", -1),
     ("layer_options", 0),  # the layer options' declarations: the family records and config ask them, layers fill them
     ("families", 0),  # the family records: below config, which records a family and is checked by its record
     ("config", 0),

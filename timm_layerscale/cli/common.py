@@ -15,6 +15,7 @@ import timm
 from torch import nn
 
 from timm_ls.errors import CliError
+from timm_ls.logs import quieted
 from timm_ls.model_source import ModelSource
 from timm_ls.names import is_variant_file
 
@@ -83,18 +84,6 @@ def resolve_variant(name: str) -> tuple[Variant, str | None]:
 
 
 @contextmanager
-def quiet_hub() -> Iterator[None]:
-    """huggingface_hub logs each retry on stderr; the one line the command prints says what failed."""
-    logger = logging.getLogger("huggingface_hub")
-    old = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(old)
-
-
-@contextmanager
 def load_report() -> Iterator[list[ReportLine]]:
     """The package's log lines while a model loads, each with the level it was logged at (`is_warning`); a
     warning's line reads `warning: MESSAGE`."""
@@ -148,8 +137,9 @@ def build(
     cfg = timm.models.get_pretrained_cfg(f"{variant.name}.{tag}") if tag else None
     if cfg is None or not cfg.hf_hub_id:
         raise CliError(f"{variant.name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
-    try:  # the one Hub request; a gated repo or a missing file is its one-line error
-        with quiet_hub():
+    # the one Hub request; a gated repo or a missing file is its one-line error, not huggingface_hub's retries
+    try:
+        with quieted("huggingface_hub"):
             weights = fetch_hub_weights(cfg, cache_dir=kwargs.get("cache_dir"), ungated=ungated_tag(variant, tag))
     except HubError as exc:
         if exc.unreachable is None:

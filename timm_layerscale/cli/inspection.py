@@ -18,6 +18,7 @@ from pathlib import Path
 import timm
 import torch
 
+from timm_ls.logs import quieted
 from timm_ls.names import is_variant_file
 
 from ..checkpoints import CheckpointError
@@ -26,7 +27,7 @@ from ..hub import HubError, fetch_hub_weights
 from ..identity import identify_checkpoint
 from ..tools.gammas import BRANCHES, MUTED_BELOW, BlockGammas, block_name, find_gamma_keys, gamma_stats, short_number
 from ..variants import VARIANTS, ungated_tag
-from .common import CliError, parse_model_kwargs, quiet_hub
+from .common import CliError, parse_model_kwargs
 from .common import resolve_variant as resolve_vit_ls
 from .gamma_report import draw, plot_target, stats_table
 
@@ -74,8 +75,8 @@ def _download(name: str) -> tuple[str, str]:
         raise CliError(f"{name} has no pretrained weights on the Hub; pass --checkpoint PATH instead")
     base = name.partition(".")[0]
     ungated = ungated_tag(VARIANTS[base], cfg.tag) if base in VARIANTS else ""
-    try:
-        with quiet_hub():
+    try:  # huggingface_hub's retries kept off stderr: the command's one line says what failed
+        with quieted("huggingface_hub"):
             weights = fetch_hub_weights(cfg, ungated=ungated)
     except HubError as exc:
         if exc.unreachable is None:  # the Hub answered: gated, missing, a server error

@@ -14,10 +14,7 @@ whatever its other outputs are; a pooled output of a model with a head gives the
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from timm_ls.int8_request import image_folder_files, int8_problem, parse_min_cosine
+from timm_ls.logs import quieted
 
 from ..fidelity import Fidelity, Outputs, compare, model_outputs, rendered_images
 from ..tools.dense import read_image
@@ -138,7 +136,8 @@ def quantize(fp32: Path, out: Path, request: Int8Request, batch: int | None, ext
         use_external_data_format=external,
         extra_options={"MatMulConstBOnly": True},
     )
-    with _quiet():
+    # ONNX Runtime's quantizer logs a pre-processing hint through the root logger, on every call
+    with quieted():
         if request.mode == "dynamic":
             quantize_dynamic(proto, out, **common)
         else:
@@ -177,18 +176,6 @@ def weight_matmuls(graph: Any) -> list[str]:
             node.name = node.name or f"linear_{i}"
             found.append(node.name)
     return found
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """ONNX Runtime's quantizer logs a pre-processing hint through the root logger, on every call."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
 
 
 class _CalibrationReader:
