@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -58,3 +62,24 @@ def all_gather_with_grad(tensor: Tensor, group: Group = None) -> Tensor:
     if not is_distributed():
         return tensor
     return _AllGather.apply(tensor, group)
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process was started by `torchrun` (or another launcher that sets its environment)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+@contextmanager
+def process_group_from_environment(device: torch.device) -> Iterator[None]:
+    """Under `torchrun`: the default process group for the block (NCCL on CUDA, gloo otherwise), this rank on
+    its local GPU; otherwise nothing."""
+    if not launched_by_torchrun() or is_distributed():
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
