@@ -1,29 +1,16 @@
-"""A folder of small images and a small method with every kind of state a real one has (random views, a
-collate draw, an EMA buffer), for the loop's tests."""
+"""A small method with every kind of state a real one has (random views, a collate draw, an EMA buffer), for
+the loop's tests; the images come from `support.image_folder`."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import timm
 import torch
-from PIL import Image
+from support import image_folder  # noqa: F401  (the loop tests' images, from here as before)
 from torch import Tensor, nn
 from torchvision.transforms import v2
 
 from timm_layerscale.pretrain.method import Method, Shard, StepValues, split_decay, with_decay
-
-
-def image_folder(root: Path, n: int = 6, size: int = 40) -> list[Path]:
-    root.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    files = []
-    for i in range(n):
-        pixels = rng.integers(0, 256, (size, size + 4 * i, 3), dtype=np.uint8)
-        files.append(root / f"img_{i}.png")
-        Image.fromarray(pixels).save(files[-1])
-    return files
 
 
 class Regress(Method):

@@ -8,9 +8,11 @@ import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 import torch
+from PIL import Image
 from timm.models import _registry as timm_registry  # its private tables: forget_timm_model
 from torch import nn
 from transformers import DINOv3ViTConfig, DINOv3ViTModel
@@ -225,3 +227,15 @@ def forget_timm_model(name: str) -> None:
     registry._model_with_tags.pop(name, None)
     for key in [k for k in registry._model_pretrained_cfgs if k.partition(".")[0] == name]:
         del registry._model_pretrained_cfgs[key]
+
+
+def image_folder(root: Path, n: int = 6, size: int = 40) -> list[Path]:
+    """`n` seeded noise PNGs in `root`, each 4 pixels wider than the last (the unlabeled images of a run)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    files = []
+    for i in range(n):
+        pixels = rng.integers(0, 256, (size, size + 4 * i, 3), dtype=np.uint8)
+        files.append(root / f"img_{i}.png")
+        Image.fromarray(pixels).save(files[-1])
+    return files

@@ -131,7 +131,8 @@ class Loop:
             torch.nn.utils.clip_grad_norm_(params, self.config.clip_grad)
         self.optimizer.step()
         self.method.after_step(step)
-        total, values = self.global_mean(loss.detach(), parts)
+        health = {name: torch.tensor(value) for name, value in self.method.metrics(batch).items()}
+        total, values = self.global_mean(loss.detach(), {**parts, **health})
         seconds = time.perf_counter() - began
         return StepRecord(step, total, values, lr, self.config.batch_size / max(seconds, 1e-9))
 
