@@ -1,12 +1,11 @@
 """A small method with every kind of state a real one has (random views, a collate draw, an EMA buffer), for
-the loop's tests; the images come from `support.image_folder`."""
+the loop's tests."""
 
 from __future__ import annotations
 
 import numpy as np
 import timm
 import torch
-from support import image_folder  # noqa: F401  (the loop tests' images, from here as before)
 from torch import Tensor, nn
 from torchvision.transforms import v2
 

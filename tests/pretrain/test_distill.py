@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from loop_fixture import image_folder
+from support import image_folder
 from torch.nn import functional as F
 
 import timm_layerscale  # noqa: F401  (registers the vit_ls models)

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from loop_fixture import Regress, image_folder
-from support import free_port
+from loop_fixture import Regress
+from support import free_port, image_folder
 
 from timm_layerscale.pretrain.checkpoint import CHECKPOINT_DIR, STATE_FILE, TENSORS_FILE, read_settings
 from timm_layerscale.pretrain.data import global_batch, make_batch
