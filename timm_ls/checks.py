@@ -31,6 +31,7 @@ from .names import (
     suffix_of,
 )
 from .paths import IMAGE_SUFFIXES, demo_out, image_files
+from .pretrain_request import PretrainRequest, check_data, pretrain_request, run_folder_problem
 from .probe_request import ProbeRequest, probe_request
 
 CHECKPOINT = "checkpoint"
@@ -237,6 +238,20 @@ def check_probe(args: argparse.Namespace) -> ProbeRequest:
     return dataclasses.replace(request, folder=folder)
 
 
+def check_pretrain(args: argparse.Namespace) -> PretrainRequest:
+    """Every flag and path of `timm-ls pretrain` (a resumed run's from its record); the request it runs."""
+    request = pretrain_request(args)
+    for model, kind in ((request.model, VARIANT_FILE), (request.teacher, VARIANT_FILE)):
+        _model_source(model, kind)
+    for checkpoint in (request.checkpoint, request.teacher_checkpoint):
+        _require(CHECKPOINT, checkpoint)
+    check_data(request.data)
+    problem = run_folder_problem(request, args.overwrite)
+    if problem:
+        raise CliError(problem)
+    return request
+
+
 def check_run(args: argparse.Namespace) -> None:
     _require("script", args.script)
 
@@ -251,5 +266,6 @@ CHECKS: dict[str, Callable[[argparse.Namespace], object]] = {
     "run": check_run,
     "features": check_features,
     "probe": check_probe,
+    "pretrain": check_pretrain,
     "list": lambda args: None,
 }

@@ -16,12 +16,14 @@ import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from types import ModuleType
 
 from .checks import CHECKS
 from .errors import CliError
 from .interrupts import arrived, interruptible
 from .parsers import COMMANDS, DEFAULT_COMMAND, make_parser
+from .pretrain_request import RECORD as PRETRAIN_RECORD
 
 
 def _version(name: str) -> str:
@@ -57,6 +59,11 @@ def interrupted_line(args: argparse.Namespace, written: object = None) -> str:
     if written is not None:
         return f"timm-ls: interrupted; {written} had been written"
     dst = {"convert": "dst", "export": "dst", "features": "out"}.get(args.command)
+    if args.command == "pretrain":  # a run's folder keeps its last whole checkpoint, to go on from
+        run = args.resume or args.out
+        if run and (Path(run) / PRETRAIN_RECORD).is_file():
+            return f"timm-ls: interrupted; {run} keeps its last checkpoint: --resume {run} goes on from it"
+        return "timm-ls: interrupted" + (f"; no checkpoint was written to {run}" if run else "")
     dst = getattr(args, dst, None) if dst else None
     return "timm-ls: interrupted" + (f"; nothing was written to {dst}" if dst else "")
 

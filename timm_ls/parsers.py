@@ -12,6 +12,7 @@ from .image_folder import CLASSIFICATION, TASKS
 from .int8_request import add_int8_options
 from .names import CAST_DTYPES, EXPORT_DTYPES, FORMAT_NAMES, FORMATS, KEEP, WEIGHTS_SETS, FormatSpec
 from .paths import experiments_dir, install_hint
+from .pretrain_parser import add_pretrain
 from .probe_request import TOKENS
 
 DESCRIPTION = "DINOv3-style ViTs with LayerScale for timm, and LayerScale made visible"
@@ -431,6 +432,7 @@ COMMANDS = {
     "export": (add_export, "export"),
     "features": (add_features, "features"),
     "probe": (add_probe, "probe"),
+    "pretrain": (add_pretrain, "pretrain"),
 }
 
 

@@ -29,6 +29,8 @@ LAYERS = (
     ("timm_ls.model_source", -1),
     ("timm_ls.probe_request", -1),
     ("timm_ls.int8_request", -1),
+    ("timm_ls.pretrain_request", -1),
+    ("timm_ls.pretrain_parser", -1),
     ("timm_ls.logs", -1),
     ("layer_options", 0),  # the layer options' declarations: the family records and config ask them, layers fill them
     ("families", 0),  # the family records: below config, which records a family and is checked by its record
@@ -57,7 +59,7 @@ LAYERS = (
     ("deploy", 7),  # int8 copies of a model, with their fidelity
     ("tools", 7),
     ("probe", 7),
-    ("pretrain", 7),  # losses, heads and masks of self-supervised training: torch alone so far
+    ("pretrain", 7),  # adapting a model to unlabeled images: the loop, the methods, Meta's losses
     ("cli.__main__", 9),  # `python -m timm_layerscale.cli`: the entry point's other name
     ("cli", 8),
     ("docs_tables", 9),  # the README's and docs' tables from the registry, the commands' parsers and `list`
