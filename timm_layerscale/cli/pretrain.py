@@ -73,6 +73,17 @@ def input_size(model: nn.Module, request: PretrainRequest) -> int:
     return request.size or int(cfg.get("input_size", (3, 224, 224))[-1])
 
 
+def schedule(request: PretrainRequest) -> dict:
+    """The optimiser's schedule: the same fields in both methods' settings."""
+    return {
+        "steps": request.steps,
+        "lr": request.lr,
+        "min_lr": request.min_lr,
+        "warmup_steps": request.warmup_steps,
+        "weight_decay": request.weight_decay,
+    }
+
+
 def dinov3_method(request: PretrainRequest, device: torch.device) -> Method:
     student = backbone(request.model, student_source(request), "student")
     if not isinstance(student, VisionTransformerLS) or student.mask_token is None:
@@ -83,11 +94,7 @@ def dinov3_method(request: PretrainRequest, device: torch.device) -> Method:
         raise CliError(f"--size {size} is not a multiple of the model's patch size {patch}; pass one that is")
     local = max(patch, round(size * LOCAL_TO_GLOBAL / patch) * patch)
     settings = SSLSettings(
-        steps=request.steps,
-        lr=request.lr,
-        min_lr=request.min_lr,
-        warmup_steps=request.warmup_steps,
-        weight_decay=request.weight_decay,
+        **schedule(request),
         global_size=size,
         local_size=local,
         local_crops=request.local_crops,
@@ -105,11 +112,7 @@ def distill_method(request: PretrainRequest, device: torch.device) -> Method:
         teacher = teacher.to(torch.bfloat16)
     student = backbone(request.model, student_source(request), "student").to(device)
     settings = DistillSettings(
-        steps=request.steps,
-        lr=request.lr,
-        min_lr=request.min_lr,
-        warmup_steps=request.warmup_steps,
-        weight_decay=request.weight_decay,
+        **schedule(request),
         size=input_size(teacher, request),
     )
     return Distill(student, teacher, settings).to(device)
