@@ -4,7 +4,8 @@
     python -m benchmarks.pretrain --batch 4 --rounds 3 --dtypes fp32 bf16
 
 Rows, each the median over `--rounds` steps after one warm-up step, on one prepared batch (the loop's data
-reading is timed apart, in the last column):
+reading is timed apart, in the last column); ours and the anchor take turns, one step each per round, by the
+clock `--clock` names:
 1. distill: our `Distill` step (teacher forward, student forward and backward through both heads, AdamW)
    against timm's `FeatureDistillationTask` (the anchor: pooled features by MSE, its own projection) on the
    same student, teacher and images; the ratio is the anchor's time over ours;
@@ -35,9 +36,18 @@ from timm_layerscale.pretrain.distill import Distill, DistillSettings
 from timm_layerscale.pretrain.ssl import DINOv3, SSLSettings
 from timm_ls.cpu import bf16_matrix_path, cpu_flags
 
-from .common import add_machine_args, apply_machine_args, header, markdown, peak_memory_mib, ratio_stats
+from .common import (
+    add_machine_args,
+    apply_machine_args,
+    header,
+    markdown,
+    peak_memory_mib,
+    ratio_stats,
+    round_robin,
+)
 
 STUDENT, TEACHER = "vit_ls_small_patch16_dinov3", "vit_ls_base_patch16_dinov3"
+CPU = torch.device("cpu")
 
 
 def render(folder: Path, n: int, size: int) -> list[Path]:
@@ -83,16 +93,6 @@ def anchor_step(student: nn.Module, teacher: nn.Module, images: torch.Tensor, dt
     return step
 
 
-def timed(call: Callable[[], None], rounds: int) -> list[float]:
-    call()  # warm-up
-    seconds = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
 def data_seconds(method: nn.Module, files: list[Path], batch: int) -> float:
     start = time.perf_counter()
     make_batch(method, files, batch, seed=0, step=1)
@@ -104,12 +104,12 @@ def distill_rows(args: argparse.Namespace, files: list[Path], dtype: str) -> lis
     teacher, student = timm.create_model(TEACHER), timm.create_model(STUDENT, num_classes=0)
     method = Distill(student, teacher, DistillSettings(steps=10, size=args.size))
     batch = make_batch(method, files, args.batch, seed=0, step=0)
-    ours = timed(method_step(method, batch, dtype), args.rounds)
-    memory = peak_memory_mib(method_step(method, batch, dtype), torch.device("cpu"))
+    memory = peak_memory_mib(method_step(method, batch, dtype), CPU)
     reading = data_seconds(method, files, args.batch)
-    anchor_student = timm.create_model(STUDENT, num_classes=10)
     images = method.student_norm(batch["images"])
-    theirs = timed(anchor_step(anchor_student, teacher, images, dtype), args.rounds)
+    anchor = anchor_step(timm.create_model(STUDENT, num_classes=10), teacher, images, dtype)
+    times = round_robin({"ours": method_step(method, batch, dtype), "anchor": anchor}, args.rounds, CPU, warmup=1)
+    ours, theirs = times["ours"], times["anchor"]
     median, q1, q3 = ratio_stats(theirs, ours)
     rate = args.batch / float(np.median(ours))
     anchor_rate = args.batch / float(np.median(theirs))
@@ -126,8 +126,8 @@ def dinov3_rows(args: argparse.Namespace, files: list[Path], dtype: str) -> list
     )
     method = DINOv3(timm.create_model(STUDENT, num_classes=0), settings)
     batch = make_batch(method, files, args.batch, seed=0, step=0)
-    ours = timed(method_step(method, batch, dtype), args.rounds)
-    memory = peak_memory_mib(method_step(method, batch, dtype), torch.device("cpu"))
+    memory = peak_memory_mib(method_step(method, batch, dtype), CPU)
+    ours = round_robin({"ours": method_step(method, batch, dtype)}, args.rounds, CPU, warmup=1)["ours"]
     reading = data_seconds(method, files, args.batch)
     rate = args.batch / float(np.median(ours))
     name = "dinov3 + gram" if args.gram else "dinov3"
