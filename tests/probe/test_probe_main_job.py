@@ -24,6 +24,8 @@ MARGIN = 20  # percentage points over the random-init model; measured: about 40 
 # 21 points above the student.
 DISTILL_MARGIN = 10
 COMMON = ["--threads", "1", "--max-iter", "50"]
+OVERLAY = f"pretrained_cfg_overlay={{'input_size': (3, {SIZE}, {SIZE})}}"
+RANDOM_INIT = ["--model", OURS, "--model-kwargs", *DEMO_SHAPE, OVERLAY]  # the demo's model, untrained
 
 
 def render_shapes(root, sizes: dict[str, tuple[int, int]]) -> None:
@@ -71,9 +73,7 @@ def test_the_main_jobs_model_beats_random_init_by_a_margin(tmp_path, shapes_fold
         main(["probe", str(shapes_folder), "--checkpoint", str(demo / "model"), *COMMON, "--out", str(trained_out)])
         == 0
     )
-    overlay = f"pretrained_cfg_overlay={{'input_size': (3, {SIZE}, {SIZE})}}"
-    random_args = ["--model", OURS, "--model-kwargs", *DEMO_SHAPE, overlay, *COMMON, "--out", str(random_out)]
-    assert main(["probe", str(shapes_folder), *random_args]) == 0
+    assert main(["probe", str(shapes_folder), *RANDOM_INIT, *COMMON, "--out", str(random_out)]) == 0
     printed = capsys.readouterr().out
     assert printed.count("360 images run through the model") == 2
     trained_knn, trained_logreg = scores(trained_out)
@@ -93,8 +93,6 @@ def test_distilling_the_main_jobs_model_teaches_a_random_init_student(tmp_path, 
     train = str(shapes_folder / "train")
     assert main(["pretrain", train, "--method", "distill", *teacher, *student, *schedule, "--out", str(run)]) == 0
     distilled = probe_knn(shapes_folder, ["--checkpoint", str(run / "model")], tmp_path / "distilled")
-    overlay = f"pretrained_cfg_overlay={{'input_size': (3, {SIZE}, {SIZE})}}"
-    random_args = ["--model", OURS, "--model-kwargs", *DEMO_SHAPE, overlay]
-    random_init = probe_knn(shapes_folder, random_args, tmp_path / "random")
+    random_init = probe_knn(shapes_folder, RANDOM_INIT, tmp_path / "random")
     for k in ("10", "20"):
         assert distilled[k] > random_init[k] + DISTILL_MARGIN, (k, distilled, random_init)
