@@ -43,3 +43,17 @@ def bf16_units(flags: set[str]) -> str | None:
 def bf16_matrix_path(flags: set[str]) -> str:
     """The fastest bf16 GEMM path these flags offer, or that there is none."""
     return bf16_units(flags) or "none: no amx_bf16 or avx512_bf16, so bf16 GEMMs widen to fp32 in software"
+
+
+# class: the flags that make it, the most capable first; benchmarks quote their figures per class
+CPU_CLASSES = (
+    ("AMX", ("amx_bf16", "amx_int8")),
+    ("AVX-512 BF16", ("avx512_bf16",)),
+    ("AVX-512", ("avx512f",)),
+    ("AVX2", ("avx2",)),
+)
+
+
+def cpu_class(flags: set[str]) -> str:
+    """The CPU class these flags make ("AMX", "AVX-512 BF16", "AVX-512", "AVX2"), or "older than AVX2"."""
+    return next((name for name, needed in CPU_CLASSES if all(f in flags for f in needed)), "older than AVX2")

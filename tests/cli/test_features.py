@@ -442,3 +442,19 @@ def test_the_cpu_flags_are_the_first_processors_and_none_without_cpuinfo(tmp_pat
     info.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # an Arm CPU's cpuinfo has no flags line
     assert cpu.cpu_flags(str(info)) == set() and cpu.bf16_units(set()) is None
     assert cpu.cpu_flags(str(tmp_path / "none")) == set()
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}, "AMX"),
+        ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, "AVX-512 BF16"),  # AMX without int8 tiles
+        ({"avx2", "avx512f", "avx512_bf16"}, "AVX-512 BF16"),
+        ({"avx2", "avx512f"}, "AVX-512"),
+        ({"avx2", "fma"}, "AVX2"),
+        ({"sse4_2"}, "older than AVX2"),
+        (set(), "older than AVX2"),
+    ],
+)
+def test_the_cpu_class_is_the_most_capable_one_all_of_whose_flags_are_there(flags, expected):
+    assert cpu.cpu_class(flags) == expected
